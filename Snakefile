@@ -1,0 +1,25 @@
+"""EAGLE-3 draft training: chat data + verifier -> draft checkpoint that vLLM serves.
+
+    snakemake --cores all draft_ckpt     # build what is stale
+    snakemake -n draft_ckpt              # dry-run: what would run, and why
+"""
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/demo.smk"
+include: "rules/prepare.smk"
+include: "rules/vocab.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.vocab.output,
+
+
+rule vocab_map:
+    input:
+        rules.vocab.output,

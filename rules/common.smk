@@ -1,0 +1,58 @@
+# Config loading and validation, paths, and the command lines rules render.
+import os
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+WORKFLOW_DIR = Path(workflow.basedir)
+sys.path.insert(0, str(WORKFLOW_DIR))
+# Scripts run as `python -m workflow_scripts.<stage>`: the package must be importable, and
+# `python` is this Snakemake's interpreter unless a software environment (--sdm conda) comes first.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(WORKFLOW_DIR), os.environ.get("PYTHONPATH")) if p
+)
+os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ["PATH"]))
+
+from workflow_scripts import cli as _cli
+from workflow_scripts.config import ConfigError, load_config
+from workflow_scripts.stages import STAGES
+
+try:
+    CFG = load_config(config)
+except ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+
+RESULTS = Path(CFG.results_dir)
+LOGS = RESULTS / "logs"
+BENCHMARKS = RESULTS / "benchmarks"
+DEMO = RESULTS / "demo"
+
+VERIFIER_DIR = Path(CFG.verifier) if CFG.verifier else DEMO / "verifier"
+VERIFIER_CONFIG = VERIFIER_DIR / "config.json"
+CHAT_DATA = Path(CFG.chat_data) if CFG.chat_data else DEMO / "chat_data.jsonl"
+EVAL_PROMPTS = Path(CFG.eval_prompts) if CFG.eval_prompts else DEMO / "eval_prompts.jsonl"
+
+# The code each stage runs: listed as rule input, so that editing it reruns the stage.
+STAGE_CODE = {
+    "demo": ["demo.py", "demo_data.py"],
+    "prepare": ["prepare.py", "chat.py"],
+    "vocab": ["vocab.py"],
+}
+
+
+def stage_code(stage):
+    return [str(WORKFLOW_DIR / "workflow_scripts" / name) for name in STAGE_CODE[stage]]
+
+
+def stage_cli(stage, **extra):
+    """A params function rendering the stage's command line from its config slice and the
+    rule's named input, output and wildcards (plus ``extra`` fixed values)."""
+    spec = STAGES[stage]
+    params = getattr(CFG, spec.config_key) if spec.config_key else None
+
+    def render(wildcards, input, output):
+        files = {**dict(wildcards.items()), **dict(input.items()), **dict(output.items())}
+        return _cli.render(stage, params, {**files, **extra})
+
+    return render

@@ -1,0 +1,17 @@
+rule prepare:
+    """Chat data -> tokenized_data.jsonl (chat template applied, assistant-only loss mask)."""
+    input:
+        chat_data=CHAT_DATA,
+        verifier_config=VERIFIER_CONFIG,
+        code=stage_code("prepare"),
+    output:
+        tokenized=RESULTS / "prepare" / "tokenized_data.jsonl",
+        stats=RESULTS / "prepare" / "stats.json",
+    params:
+        cli=stage_cli("prepare", verifier=VERIFIER_DIR),
+    log:
+        LOGS / "prepare.log",
+    conda:
+        "../envs/workflow.yaml"
+    shell:
+        "python -m workflow_scripts.prepare {params.cli} > {log} 2>&1"

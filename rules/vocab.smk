@@ -1,0 +1,17 @@
+rule vocab:
+    """Tokenized data -> draft vocabulary map: d2t offsets, t2d mask, token counts."""
+    input:
+        tokenized=rules.prepare.output.tokenized,
+        verifier_config=VERIFIER_CONFIG,
+        code=stage_code("vocab"),
+    output:
+        vocab_map=RESULTS / "vocab" / "vocab_map.safetensors",
+        stats=RESULTS / "vocab" / "stats.json",
+    params:
+        cli=stage_cli("vocab", verifier=VERIFIER_DIR),
+    log:
+        LOGS / "vocab.log",
+    conda:
+        "../envs/workflow.yaml"
+    shell:
+        "python -m workflow_scripts.vocab {params.cli} > {log} 2>&1"

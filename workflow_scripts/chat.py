@@ -1,0 +1,116 @@
+"""Chat conversations: reading both common formats, and tokenizing with an assistant-only mask.
+
+The mask is computed from the rendered text: each assistant message's content is located in the
+chat template's output, and the tokens that start inside it are masked, plus the special token
+that closes the turn (``<|eot_id|>``, ``<|im_end|>``, ...). Template text (headers, role names,
+the newline after an end-of-turn token) is never masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
+}
+
+
+class BadRow(ValueError):
+    """A conversation that cannot be used; ``reason`` is a short key counted in the stats."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def normalize(row: Any) -> list[dict[str, str]]:
+    """Messages as [{'role', 'content'}] from 'messages' (role/content) or ShareGPT
+    'conversations' (from/value)."""
+    if not isinstance(row, dict):
+        raise BadRow("malformed", "a row must be a JSON object")
+    if "messages" in row:
+        raw, role_key, text_key = row["messages"], "role", "content"
+    elif "conversations" in row:
+        raw, role_key, text_key = row["conversations"], "from", "value"
+    else:
+        raise BadRow("malformed", "row has neither 'messages' nor 'conversations'")
+    if not isinstance(raw, list) or not raw:
+        raise BadRow("empty_conversation", "the conversation has no messages")
+    messages = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict) or role_key not in msg or text_key not in msg:
+            raise BadRow("malformed", f"message {i} lacks '{role_key}' or '{text_key}'")
+        role = ROLES.get(str(msg[role_key]).lower())
+        if role is None:
+            raise BadRow(
+                "unknown_role",
+                f"message {i} has role {msg[role_key]!r}; known: {', '.join(sorted(ROLES))}",
+            )
+        if not isinstance(msg[text_key], str):
+            raise BadRow("malformed", f"message {i} content is not a string")
+        messages.append({"role": role, "content": msg[text_key]})
+    return messages
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: int) -> Tokenized:
+    """Apply the chat template and mask exactly the assistant tokens (end-of-turn included)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    offsets: list[tuple[int, int]] = enc["offset_mapping"]
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+
+    spans = []
+    cursor = 0
+    for i, msg in enumerate(messages):
+        content = msg["content"].strip()
+        if not content:
+            continue
+        if msg["role"] == "assistant":
+            # Skip the template's own text for this turn (its header could repeat the content).
+            prefix = tokenizer.apply_chat_template(
+                messages[:i], tokenize=False, add_generation_prompt=True
+            )
+            if text.startswith(prefix):
+                cursor = max(cursor, len(prefix))
+        start = text.find(content, cursor)
+        if start < 0:
+            raise BadRow(
+                "template_mismatch",
+                "the chat template changed a message's text; cannot locate it to build the mask",
+            )
+        cursor = start + len(content)
+        if msg["role"] == "assistant":
+            spans.append((start, cursor))
+
+    mask = [0] * len(ids)
+    tok = 0
+    for start, end in spans:
+        while tok < len(ids) and offsets[tok][0] < start:
+            tok += 1
+        while tok < len(ids) and offsets[tok][0] < end and offsets[tok][1] > offsets[tok][0]:
+            mask[tok] = 1
+            tok += 1
+        if tok < len(ids) and ids[tok] in special:  # the end-of-turn token
+            mask[tok] = 1
+            tok += 1
+
+    truncated = len(ids) > max_len
+    return Tokenized(ids[:max_len], mask[:max_len], truncated)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))

@@ -1,0 +1,129 @@
+"""config.yaml: its typed model, validation with helpful errors, and its JSON schema.
+
+``python -m workflow_scripts.config --schema`` prints the schema (also kept as
+``config.schema.json``); ``python -m workflow_scripts.config config.yaml`` validates a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workflow_scripts.stages import (
+    DemoParams,
+    EvaluateParams,
+    ExtractParams,
+    PrepareParams,
+    TrainParams,
+    VocabParams,
+)
+
+
+class WorkflowConfig(BaseModel):
+    """The whole of config.yaml."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    verifier: str | None = Field(
+        None,
+        description="Hugging Face model directory of the verifier. null builds the embedded "
+        "tiny demo verifier.",
+    )
+    chat_data: str | None = Field(
+        None,
+        description="Chat dataset (JSONL, 'messages' or ShareGPT 'conversations'). null uses "
+        "the embedded demo data.",
+    )
+    eval_prompts: str | None = Field(
+        None,
+        description="Evaluation prompts (JSONL with 'messages' or 'prompt'). null uses the demo's "
+        "held-out prompts, or the last conversations' first user turns of chat_data.",
+    )
+    results_dir: str = Field("results", description="Where every output of the workflow goes.")
+    demo: DemoParams = Field(default_factory=DemoParams)
+    prepare: PrepareParams = Field(default_factory=PrepareParams)
+    vocab: VocabParams = Field(default_factory=VocabParams)
+    extract: ExtractParams = Field(default_factory=ExtractParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says which key, what is wrong and how to fix it."""
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = WorkflowConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    return model
+
+
+def _describe(err: dict[str, Any], source: str) -> str:
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        valid = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        prefix = ".".join(str(p) for p in loc[:-1])
+        hint = (
+            f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+            if close
+            else f"valid keys here: {', '.join(valid)}"
+        )
+        return f"{source}: unknown config key '{key}': {hint}"
+    value = err.get("input")
+    return f"{source}: config key '{key}' = {value!r}: {err['msg']}"
+
+
+def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
+    """Validate a config dict (as Snakemake loaded it); raise ConfigError naming every bad key."""
+    try:
+        return WorkflowConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        lines = [_describe(e, source) for e in exc.errors()]
+        raise ConfigError(
+            "invalid configuration:\n  " + "\n  ".join(lines) + "\n(see config.schema.json or "
+            "README.md for every key, its type and its default)"
+        ) from None
+
+
+def json_schema() -> dict[str, Any]:
+    return WorkflowConfig.model_json_schema()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("config", nargs="?", type=Path, help="config file to validate")
+    parser.add_argument("--schema", action="store_true", help="print the JSON schema")
+    args = parser.parse_args(argv)
+    if args.schema:
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    if args.config is None:
+        parser.error("give a config file or --schema")
+    import yaml
+
+    try:
+        load_config(yaml.safe_load(args.config.read_text()), source=str(args.config))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{args.config}: valid")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
