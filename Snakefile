@@ -1,8 +1,6 @@
-"""EAGLE-3 draft training: chat data + verifier -> draft checkpoint that vLLM serves.
-
-    snakemake --cores all draft_ckpt     # build what is stale
-    snakemake -n draft_ckpt              # dry-run: what would run, and why
-"""
+# EAGLE-3 draft training: chat data + verifier -> draft checkpoint that vLLM serves.
+#   snakemake --cores all draft_ckpt     # build what is stale
+#   snakemake -n draft_ckpt              # dry-run: what would run, and why
 
 
 configfile: "config.yaml"

@@ -1,5 +1,4 @@
-# Config loading and validation, paths, and the command lines rules render.
-import os
+# Config loading and validation, paths, and the command lines that the stages' jobs run.
 import sys
 from pathlib import Path
 
@@ -7,13 +6,6 @@ from snakemake.exceptions import WorkflowError
 
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
-# Scripts run as `python -m workflow_scripts.<stage>`: the package must be importable, and
-# `python` is this Snakemake's interpreter unless a software environment (--sdm conda) comes first.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(WORKFLOW_DIR), os.environ.get("PYTHONPATH")) if p
-)
-os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ["PATH"]))
-
 from workflow_scripts import cli as _cli
 from workflow_scripts.config import ConfigError, load_config
 from workflow_scripts.stages import STAGES
@@ -45,14 +37,16 @@ def stage_code(stage):
     return [str(WORKFLOW_DIR / "workflow_scripts" / name) for name in STAGE_CODE[stage]]
 
 
-def stage_cli(stage, **extra):
-    """A params function rendering the stage's command line from its config slice and the
-    rule's named input, output and wildcards (plus ``extra`` fixed values)."""
+def stage_cmd(stage, **extra):
+    """A params function: the stage's whole command, `python -m <module> <args>`, rendered
+    from its config slice and the named input, output and wildcards (plus ``extra`` values).
+    `python` is the active environment's (.venv, or the env of --sdm conda)."""
     spec = STAGES[stage]
     params = getattr(CFG, spec.config_key) if spec.config_key else None
 
     def render(wildcards, input, output):
         files = {**dict(wildcards.items()), **dict(input.items()), **dict(output.items())}
-        return _cli.render(stage, params, {**files, **extra})
+        args = _cli.render(stage, params, {**files, **extra})
+        return f"python -m {spec.module} {args}"
 
     return render

@@ -8,14 +8,14 @@ rule demo:
         config=DEMO / "verifier" / "config.json",
         weights=DEMO / "verifier" / "model.safetensors",
         tokenizer=DEMO / "verifier" / "tokenizer.json",
-    params:
-        cli=stage_cli("demo", verifier=DEMO / "verifier"),
     log:
         LOGS / "demo.log",
     benchmark:
         BENCHMARKS / "demo.tsv"
-    threads: workflow.cores
     conda:
         "../envs/workflow.yaml"
+    threads: workflow.cores
+    params:
+        cmd=stage_cmd("demo", verifier=DEMO / "verifier"),
     shell:
-        "python -m workflow_scripts.demo {params.cli} > {log} 2>&1"
+        "{params.cmd} > {log} 2>&1"

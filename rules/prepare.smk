@@ -7,11 +7,11 @@ rule prepare:
     output:
         tokenized=RESULTS / "prepare" / "tokenized_data.jsonl",
         stats=RESULTS / "prepare" / "stats.json",
-    params:
-        cli=stage_cli("prepare", verifier=VERIFIER_DIR),
     log:
         LOGS / "prepare.log",
     conda:
         "../envs/workflow.yaml"
+    params:
+        cmd=stage_cmd("prepare", verifier=VERIFIER_DIR),
     shell:
-        "python -m workflow_scripts.prepare {params.cli} > {log} 2>&1"
+        "{params.cmd} > {log} 2>&1"

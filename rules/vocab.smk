@@ -7,11 +7,11 @@ rule vocab:
     output:
         vocab_map=RESULTS / "vocab" / "vocab_map.safetensors",
         stats=RESULTS / "vocab" / "stats.json",
-    params:
-        cli=stage_cli("vocab", verifier=VERIFIER_DIR),
     log:
         LOGS / "vocab.log",
     conda:
         "../envs/workflow.yaml"
+    params:
+        cmd=stage_cmd("vocab", verifier=VERIFIER_DIR),
     shell:
-        "python -m workflow_scripts.vocab {params.cli} > {log} 2>&1"
+        "{params.cmd} > {log} 2>&1"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from workflow_scripts.stages import (
     DemoParams,
@@ -53,6 +53,15 @@ class WorkflowConfig(BaseModel):
     train: TrainParams = Field(default_factory=TrainParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
 
+    @model_validator(mode="after")
+    def _eval_prompts_with_own_data(self) -> "WorkflowConfig":
+        if self.chat_data is not None and self.eval_prompts is None:
+            raise ValueError(
+                "config key 'eval_prompts' is required when 'chat_data' is set: name a JSONL of "
+                "held-out prompts (rows with 'messages' ending in a user turn, or 'prompt')"
+            )
+        return self
+
 
 class ConfigError(ValueError):
     """A config that cannot run; the message says which key, what is wrong and how to fix it."""
@@ -84,6 +93,8 @@ def _describe(err: dict[str, Any], source: str) -> str:
             else f"valid keys here: {', '.join(valid)}"
         )
         return f"{source}: unknown config key '{key}': {hint}"
+    if not loc:  # a check across keys: its message names them
+        return f"{source}: {err['msg'].removeprefix('Value error, ')}"
     value = err.get("input")
     return f"{source}: config key '{key}' = {value!r}: {err['msg']}"
 
@@ -101,7 +112,10 @@ def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
 
 
 def json_schema() -> dict[str, Any]:
-    return WorkflowConfig.model_json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **WorkflowConfig.model_json_schema(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,126 @@
+"""Config validation, the JSON schema, and the contract between rules and scripts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from snakemake.utils import validate
+
+from workflow_scripts import cli
+from workflow_scripts.config import ConfigError, json_schema, load_config
+from workflow_scripts.stages import STAGES
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(ROOT.glob("config*.yaml"))
+
+
+def test_example_configs_exist():
+    names = [c.name for c in CONFIGS]
+    assert "config.yaml" in names and len(names) >= 2, names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    raw = yaml.safe_load(path.read_text())
+    load_config(raw, source=path.name)
+    validate(dict(raw), str(ROOT / "config.schema.json"))
+
+
+def test_schema_file_is_current():
+    committed = json.loads((ROOT / "config.schema.json").read_text())
+    assert committed == json_schema(), (
+        "config.schema.json is stale: python -m workflow_scripts.config --schema > config.schema.json"
+    )
+
+
+def test_schema_documents_every_parameter():
+    schema = json_schema()
+    for name, model in schema["$defs"].items():
+        for key, prop in model["properties"].items():
+            assert prop.get("description"), f"{name}.{key} has no description"
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ({"prepare": {"max_seqlen": 10}}, r"'prepare\.max_seqlen'.*did you mean 'prepare\.max_seq_len_tokens'"),
+        ({"vocab": {"draft_vocab_sise": 10}}, r"did you mean 'vocab\.draft_vocab_size'"),
+        ({"extrakt": {}}, r"unknown config key 'extrakt'.*did you mean 'extract'"),
+        ({"train": {"learning_rate": "fast"}}, r"'train\.learning_rate' = 'fast'.*valid number"),
+        ({"vocab": {"draft_vocab_size": 0}}, r"'vocab\.draft_vocab_size' = 0.*greater than or equal to 1"),
+        ({"prepare": {"on_bad_row": "ignore"}}, r"'prepare\.on_bad_row' = 'ignore'.*'fail' or 'skip'"),
+        ({"chat_data": "my.jsonl"}, r"'eval_prompts' is required when 'chat_data' is set"),
+    ],
+)
+def test_bad_config_names_key_and_fix(raw, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert re.search(expected, str(err.value)), str(err.value)
+
+
+def _stage_files(stage: str) -> dict:
+    """Placeholder file values for a stage's IO fields (list fields get two paths)."""
+    files = {}
+    for name, field in STAGES[stage].io.model_fields.items():
+        if field.annotation is int:
+            files[name] = 1
+        elif "list" in str(field.annotation):
+            files[name] = [f"a/{name}_0", f"a/{name}_1"]
+        else:
+            files[name] = f"dir with space/{name}"
+    return files
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_rendered_command_parses_with_the_scripts_parser(path, stage):
+    """Every rule's command line, for every shipped config, parses with the script's own parser
+    into exactly the configured values: a renamed or retyped field cannot pass."""
+    cfg = load_config(yaml.safe_load(path.read_text()))
+    spec = STAGES[stage]
+    params = getattr(cfg, spec.config_key) if spec.config_key else None
+    files = _stage_files(stage)
+    io, parsed = cli.parse(stage, shlex.split(cli.render(stage, params, files)))
+    assert parsed == params
+    for name, value in files.items():
+        got = getattr(io, name)
+        assert (
+            [str(v) for v in got] == value if isinstance(value, list) else str(got) == str(value)
+        )
+
+
+def test_renderer_refuses_rule_missing_a_file():
+    with pytest.raises(ValueError, match="does not name stats"):
+        cli.render("prepare", load_config({}).prepare, {"chat_data": "a", "verifier": "b", "tokenized": "c"})
+
+
+def test_script_refuses_unknown_or_missing_flag():
+    """The real entry point (argparse) rejects a wrong flag before doing anything."""
+    base = [sys.executable, "-m", "workflow_scripts.prepare"]
+    args = shlex.split(
+        cli.render("prepare", load_config({}).prepare, _stage_files("prepare"))
+    )
+    wrong = [a.replace("--max-seq-len-tokens", "--max-seqlen") for a in args]
+    out = subprocess.run(base + wrong, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "--max-seq-len-tokens" in out.stderr, out.stderr
+    bad_value = [a if a != "512" else "lots" for a in args]
+    bad_value[bad_value.index("--max-seq-len-tokens") + 1] = "lots"
+    out = subprocess.run(base + bad_value, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "--max-seq-len-tokens" in out.stderr, out.stderr
+
+
+def test_rules_type_no_flags():
+    """Flags come from the stage definitions only: no '--name' appears in rules/ or Snakefile."""
+    for path in [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]:
+        text = "\n".join(
+            line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+        )
+        flags = re.findall(r"\s--[a-z][a-z0-9-]+", text)
+        assert not flags, f"{path.name} types flags by hand: {flags}"
