@@ -1,0 +1,218 @@
+"""prepare: chat template, assistant-only loss mask, bad input, streaming, stats."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.tokenizers_for_tests import build_chatml_tokenizer
+from workflow_scripts import cli
+from workflow_scripts.chat import BadRow, normalize, tokenize_conversation
+from workflow_scripts.stages import PrepareParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Count from 3 to 7."},
+    {"role": "assistant", "content": "3, 4, 5, 6, 7."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+]
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory) -> Path:
+    return build_chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
+
+
+def masked_runs(ids, mask):
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def template_ids(tokenizer, messages, **kwargs):
+    out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+
+
+def check_mask_matches_template_spans(tokenizer, messages, end_of_turn):
+    """Each masked run decodes to exactly one assistant reply plus the end-of-turn token, in
+    order; nothing else (headers, roles, user text, the newline after the turn) is masked."""
+    sample = tokenize_conversation(tokenizer, messages, max_len=10_000)
+    assert sample.input_ids == template_ids(tokenizer, messages)
+    runs = masked_runs(sample.input_ids, sample.loss_mask)
+    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+    assert [tokenizer.decode(r) for r in runs] == [r + end_of_turn for r in replies]
+    # and the span boundaries are where the template puts the reply: right after the
+    # generation prompt of that turn
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        prefix = template_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        assert sample.loss_mask[len(prefix) - 1] == 0 and sample.loss_mask[len(prefix)] == 1
+
+
+def test_chatml_mask(chatml_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chatml_dir)
+    check_mask_matches_template_spans(tokenizer, CONVERSATION, "<|im_end|>")
+
+
+def test_demo_template_mask(demo_build):
+    tokenizer = AutoTokenizer.from_pretrained(demo_build["verifier"])
+    check_mask_matches_template_spans(tokenizer, CONVERSATION, "<|eot_id|>")
+    with open(demo_build["chat_data"]) as fh:
+        for line, _ in zip(fh, range(50)):
+            check_mask_matches_template_spans(
+                tokenizer, normalize(json.loads(line)), "<|eot_id|>"
+            )
+
+
+def test_sharegpt_and_messages_are_the_same():
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    messages = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    assert normalize(sharegpt) == normalize(messages)
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"messages": []}, "empty_conversation"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "unknown_role"),
+        ({"text": "x"}, "malformed"),
+        ({"messages": [{"role": "user"}]}, "malformed"),
+        ([1, 2], "malformed"),
+    ],
+)
+def test_bad_rows(row, reason):
+    with pytest.raises(BadRow) as err:
+        normalize(row)
+    assert err.value.reason == reason
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with open(path, "w") as fh:
+        for row in rows:
+            fh.write(row if isinstance(row, str) else json.dumps(row))
+            fh.write("\n")
+    return path
+
+
+def run_prepare(tmp_path, verifier, chat_data, **params):
+    files = {
+        "chat_data": chat_data,
+        "verifier": verifier,
+        "tokenized": tmp_path / "out" / "tokenized_data.jsonl",
+        "stats": tmp_path / "out" / "stats.json",
+    }
+    args = shlex.split(cli.render("prepare", PrepareParams(**params), files))
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.prepare", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return proc, files
+
+
+GOOD = {"messages": CONVERSATION}
+BAD_ROWS = [
+    GOOD,
+    "{not json",
+    {"messages": [{"role": "robot", "content": "beep"}]},
+    {"messages": []},
+    {"messages": [{"role": "user", "content": "only a question"}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Paris."}]},
+]
+
+
+def test_bad_input_fails_with_file_and_line(tmp_path, chatml_dir):
+    data = write_jsonl(tmp_path / "chat.jsonl", BAD_ROWS)
+    proc, files = run_prepare(tmp_path, chatml_dir, data, on_bad_row="fail")
+    assert proc.returncode == 2
+    assert f"{data}:2: not valid JSON" in proc.stderr and "on_bad_row: skip" in proc.stderr
+    assert not files["tokenized"].exists() and not files["stats"].exists()
+
+
+def test_bad_input_skipped_and_counted(tmp_path, chatml_dir):
+    data = write_jsonl(tmp_path / "chat.jsonl", BAD_ROWS)
+    proc, files = run_prepare(tmp_path, chatml_dir, data, on_bad_row="skip")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(files["stats"].read_text())
+    assert stats["rows_in"] == 6 and stats["rows_out"] == 2
+    assert stats["dropped"] == {
+        "empty_conversation": 1,
+        "malformed": 1,
+        "no_assistant_tokens": 1,
+        "unknown_role": 1,
+    }
+    rows = [json.loads(line) for line in files["tokenized"].read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["line1", "line6"]
+    assert stats["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert stats["loss_masked_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+    assert "prepare: " in proc.stderr and "rows/s" in proc.stderr  # progress line
+
+
+def test_truncation_and_rows_left_without_assistant_tokens(tmp_path, chatml_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chatml_dir)
+    full = tokenize_conversation(tokenizer, CONVERSATION, 10_000)
+    first_reply = full.loss_mask.index(1)
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
+    proc, files = run_prepare(tmp_path, chatml_dir, data, max_seq_len_tokens=first_reply + 2)
+    row = json.loads(files["tokenized"].read_text())
+    assert len(row["input_ids"]) == first_reply + 2 and sum(row["loss_mask"]) == 2
+    assert json.loads(files["stats"].read_text())["truncated_rows"] == 1
+    # cut before any assistant token: the row is dropped and counted, even with on_bad_row=fail
+    proc, files = run_prepare(tmp_path, chatml_dir, write_jsonl(tmp_path / "c2.jsonl", [GOOD, GOOD]),
+                              max_seq_len_tokens=first_reply)
+    assert proc.returncode == 2 and "no usable conversation" in proc.stderr
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path, chatml_dir):
+    plain = tmp_path / "plain"
+    tokenizer = AutoTokenizer.from_pretrained(chatml_dir)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    proc, _ = run_prepare(tmp_path, plain, write_jsonl(tmp_path / "c.jsonl", [GOOD]))
+    assert proc.returncode == 2 and "has no chat template" in proc.stderr, proc.stderr
+
+
+def test_memory_stays_flat_as_input_grows(tmp_path, chatml_dir):
+    """Peak RSS with 40x the rows stays within a few MB of the small run: the input streams."""
+    def peak_rss_kb(n_rows):
+        data = write_jsonl(tmp_path / f"chat{n_rows}.jsonl", [GOOD] * n_rows)
+        files = {
+            "chat_data": data,
+            "verifier": chatml_dir,
+            "tokenized": tmp_path / f"t{n_rows}.jsonl",
+            "stats": tmp_path / f"s{n_rows}.json",
+        }
+        args = shlex.split(cli.render("prepare", PrepareParams(), files))
+        code = (
+            "import resource, runpy, sys; sys.argv = ['prepare'] + sys.argv[1:];"
+            "from workflow_scripts.common import run_main; from workflow_scripts.prepare import main;"
+            "run_main(main); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout.split()[-1])
+
+    small, large = peak_rss_kb(200), peak_rss_kb(8_000)
+    assert large - small < 30_000, (small, large)
