@@ -1,4 +1,6 @@
 # Config loading and validation, paths, and the command lines that the stages' jobs run.
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,13 +36,23 @@ STAGE_CODE = {
 
 
 def stage_code(stage):
-    return [str(WORKFLOW_DIR / "workflow_scripts" / name) for name in STAGE_CODE[stage]]
+    # relative to the working directory, so that moving the checkout does not rerun everything
+    return [os.path.relpath(WORKFLOW_DIR / "workflow_scripts" / f) for f in STAGE_CODE[stage]]
+
+
+def stage_config(stage):
+    """The stage's whole config slice, as one param: Snakemake records it, so a change to any
+    of the stage's settings reruns exactly the rules that take that slice (and what follows)."""
+    return json.dumps(
+        getattr(CFG, STAGES[stage].config_key).model_dump(mode="json"), sort_keys=True
+    )
 
 
 def stage_cmd(stage, **extra):
     """A params function: the stage's whole command, `python -m <module> <args>`, rendered
     from its config slice and the named input, output and wildcards (plus ``extra`` values).
-    `python` is the active environment's (.venv, or the env of --sdm conda)."""
+    `python` is the active environment's (.venv, or the env of --sdm conda). Snakemake does not
+    record params computed from input/output, hence stage_config beside it."""
     spec = STAGES[stage]
     params = getattr(CFG, spec.config_key) if spec.config_key else None
 

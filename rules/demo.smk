@@ -16,6 +16,7 @@ rule demo:
         "../envs/workflow.yaml"
     threads: workflow.cores
     params:
+        config=stage_config("demo"),
         cmd=stage_cmd("demo", verifier=DEMO / "verifier"),
     shell:
         "{params.cmd} > {log} 2>&1"

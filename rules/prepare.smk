@@ -12,6 +12,7 @@ rule prepare:
     conda:
         "../envs/workflow.yaml"
     params:
+        config=stage_config("prepare"),
         cmd=stage_cmd("prepare", verifier=VERIFIER_DIR),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -12,6 +12,7 @@ rule vocab:
     conda:
         "../envs/workflow.yaml"
     params:
+        config=stage_config("vocab"),
         cmd=stage_cmd("vocab", verifier=VERIFIER_DIR),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -1,0 +1,72 @@
+"""Run this workflow from tests: a private copy of it, real Snakemake, and what a dry-run plans."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_FILES = ("Snakefile", "rules", "workflow_scripts", "config.yaml", "envs", "profiles")
+# target rules: they only gather outputs, and are left out of what a plan is said to run
+TARGET_RULES = {"all", "vocab_map", "hidden_states", "draft_ckpt", "evaluate"}
+
+
+def copy_workflow(dst: Path, config: dict | None = None) -> Path:
+    """A copy of the workflow in ``dst`` (its code can then be edited by a test), with
+    ``config`` written to ``dst/test_config.yaml``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst / name)
+    write_config(dst, config or {})
+    return dst
+
+
+def write_config(workdir: Path, config: dict) -> None:
+    (workdir / "test_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def env() -> dict:
+    """The environment of a job: `python` is this interpreter (the project's .venv)."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    return env
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        *args,
+        "--configfile",
+        "test_config.yaml",
+    ]
+    proc = subprocess.run(cmd, cwd=workdir, env=env(), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def planned(workdir: Path, target: str, *args: str) -> Counter:
+    """Rules a dry-run plans for ``target`` (job counts), target rules left out."""
+    proc = snakemake(workdir, "-n", target, *args)
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return Counter()
+    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
+    jobs = Counter()
+    for rule, count in re.findall(r"^(\w+)\s+(\d+)\s*$", table, flags=re.M):
+        if rule not in TARGET_RULES:
+            jobs[rule] = int(count)
+    return jobs
