@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,16 +38,20 @@ def run_main(main: Callable[[], None]) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; rename it to ``path`` only when the block succeeds,
-    so a reader never sees a partial file."""
+    """Yield a temporary sibling of ``path`` (a file or a directory the block creates); rename it
+    to ``path`` only when the block succeeds, so a reader never sees a partial output."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        if tmp.is_dir() and path.is_dir():
+            shutil.rmtree(path)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
             tmp.unlink()
 
 
