@@ -32,6 +32,13 @@ STAGE_CODE = {
     "demo": ["demo.py", "demo_data.py"],
     "prepare": ["prepare.py", "chat.py"],
     "vocab": ["vocab.py"],
+    "extract": [
+        "extract.py",
+        "extract_backends.py",
+        "hidden_states_connector.py",
+        "shards.py",
+    ],
+    "extract_merge": ["extract_merge.py", "shards.py"],
 }
 
 
@@ -48,17 +55,27 @@ def stage_config(stage):
     )
 
 
-def stage_cmd(stage, **extra):
+def stage_cmd(stage, gpus=None, **extra):
     """A params function: the stage's whole command, `python -m <module> <args>`, rendered
     from its config slice and the named input, output and wildcards (plus ``extra`` values).
     `python` is the active environment's (.venv, or the env of --sdm conda). Snakemake does not
-    record params computed from input/output, hence stage_config beside it."""
+    record params computed from input/output, hence stage_config beside it.
+
+    ``gpus``: for a rule that reserves GPUs, the same count as its ``resources: gpu=`` (an int,
+    or a function of the wildcards). The command then runs under workflow_scripts/gpus.py, which
+    gives the job exactly that many GPUs of its own in CUDA_VISIBLE_DEVICES (a lease on local
+    runs, SLURM's allocation on a cluster) and fails before the stage starts when there are
+    fewer; with 0 the command runs unchanged."""
     spec = STAGES[stage]
     params = getattr(CFG, spec.config_key) if spec.config_key else None
 
     def render(wildcards, input, output):
         files = {**dict(wildcards.items()), **dict(input.items()), **dict(output.items())}
         args = _cli.render(stage, params, {**files, **extra})
-        return f"python -m {spec.module} {args}"
+        cmd = f"python -m {spec.module} {args}"
+        if gpus is not None:
+            count = gpus(wildcards) if callable(gpus) else gpus
+            cmd = f"python -m workflow_scripts.gpus {int(count)} -- {cmd}"
+        return cmd
 
     return render
