@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests import workflow_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +170,63 @@ def test_usage(argv):
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+# ----------------------------------------------------------------- through Snakemake
+
+STUB_EXTRACT = '''\
+"""Stands in for the extraction script: records the GPUs it was given and when it ran."""
+import json, os, sys, time
+argv = sys.argv[1:]
+start = time.time()
+time.sleep(3)
+record = {
+    "job_index": argv[argv.index("--job-index") + 1],
+    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "start": start,
+    "end": time.time(),
+}
+with open(argv[argv.index("--part") + 1], "w") as fh:
+    json.dump(record, fh)
+'''
+
+
+def test_snakemake_local_run_gives_concurrent_extraction_jobs_their_own_gpus(tmp_path):
+    """The real extract rule under Snakemake's local executor, 2 jobs x 4 GPUs on a machine with
+    8 (a fake nvidia-smi): both run at once, on GPUs 0-3 and 4-7. The extraction script itself
+    is replaced in the workflow's copy by a stub that records what it was given."""
+    config = {"extract": {"use_gpus": True, "tensor_parallel_size": 4, "num_jobs": 2}}
+    wd = workflow_runner.copy_workflow(tmp_path / "wf", config)
+    (wd / "workflow_scripts" / "extract.py").write_text(STUB_EXTRACT)
+    # the outputs of the stages before extraction, so that only extraction runs
+    for rel in (
+        "results/demo/chat_data.jsonl",
+        "results/demo/eval_prompts.jsonl",
+        "results/demo/verifier/config.json",
+        "results/demo/verifier/model.safetensors",
+        "results/demo/verifier/tokenizer.json",
+        "results/prepare/tokenized_data.jsonl",
+        "results/prepare/stats.json",
+    ):
+        (wd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (wd / rel).write_text("{}\n")
+    parts = [f"results/extract/parts/part_{i}.json" for i in range(2)]
+    env = workflow_runner.env()  # `python` is this interpreter
+    fake_nvidia_smi(tmp_path, 8)
+    env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+    env["EAGLE3_GPU_LOCK_DIR"] = str(tmp_path / "locks")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), *parts, "--cores", "8",
+         "--resources", "gpu=8", "--configfile", "test_config.yaml"],
+        cwd=wd, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert "rule demo" not in proc.stderr and "rule prepare" not in proc.stderr
+    a, b = (json.loads((wd / p).read_text()) for p in parts)
+    assert a["start"] < b["end"] and b["start"] < a["end"], "the two jobs did not run at once"
+    ga, gb = a["visible"].split(","), b["visible"].split(",")
+    assert len(ga) == len(gb) == 4 and not set(ga) & set(gb), (ga, gb)
+    for i in range(2):
+        log = (wd / f"results/logs/extract/job_{i}.log").read_text()
+        assert "(4 GPU(s) leased)" in log

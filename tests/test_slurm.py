@@ -1,0 +1,315 @@
+"""Cluster execution against a real SLURM: a single node with 8 fake GPUs on this machine.
+
+tests/slurm/start_slurm.sh installs SLURM when it is missing (apt-get), writes /etc/slurm from the
+templates in tests/slurm/, and starts slurmctld and slurmd; the daemons are stopped by pid when the
+module's tests end. Needs root: skipped for a non-root user outside CI, an error in CI.
+
+The workflow runs through `snakemake --profile <profiles/slurm + tests/slurm/profile-overrides.yaml>`
+to draft_ckpt with extraction split over two jobs. The checks read SLURM's own records
+(`scontrol show job`, polled while the run goes on, since a finished job no longer shows its GPU
+indices) and hold them against what each job logged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import workflow_runner
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM_DIR = ROOT / "tests" / "slurm"
+RUN_TIMEOUT_S = 30 * 60  # a hard stop; the run takes about 10 minutes on 2 cores
+
+# The embedded default, made smaller where size only costs time: the point here is where and how
+# each job runs, not the quality of the verifier or the draft.
+CONFIG = {
+    "demo": {"num_conversations": 240, "num_eval_prompts": 8, "train_steps": 10},
+    "extract": {"num_jobs": 2, "use_gpus": False, "shard_size_samples": 64},
+    "train": {"epochs": 1, "num_gpus": 0, "checkpoint_every_steps": 20},
+}
+# GPU jobs and the GPUs that tests/slurm/profile-overrides.yaml asks SLURM for
+GPU_RULES = {"extract": 4, "train": 8}
+
+
+def _needs_root():
+    if os.geteuid() == 0:
+        return
+    if os.environ.get("CI"):
+        pytest.fail("the SLURM tests need root (apt-get, mknod, /etc/slurm) and run in CI")
+    pytest.skip("the SLURM tests need root (they install and start a SLURM cluster)")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    _needs_root()
+    proc = subprocess.run(
+        ["bash", str(SLURM_DIR / "start_slurm.sh")], capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"start_slurm.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    pids = dict(re.findall(r"^(slurmctld|slurmd)_pid=(\d+)$", proc.stdout, flags=re.M))
+    assert set(pids) == {"slurmctld", "slurmd"}, proc.stdout
+    submitted: list[str] = []  # job ids our tests submitted, cancelled before the daemons stop
+    try:
+        yield submitted
+    finally:
+        if submitted:
+            subprocess.run(["scancel", *submitted], capture_output=True, timeout=60)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and _active(submitted):
+                time.sleep(1)
+        for name in ("slurmd", "slurmctld"):
+            _stop(int(pids[name]))
+
+
+def _active(job_ids: list[str]) -> bool:
+    out = subprocess.run(
+        ["squeue", "-h", "-o", "%i %T", "-j", ",".join(job_ids)],
+        capture_output=True, text=True,
+    ).stdout
+    return any(s in out for s in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"))
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie that nobody has reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _stop(pid: int) -> None:
+    if not _alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------- SLURM's records
+
+
+def parse_jobs(text: str) -> dict[str, dict[str, str]]:
+    """`scontrol show job -d -o` -> {job id: {field: value}} (values without spaces suffice)."""
+    jobs = {}
+    for line in text.splitlines():
+        fields = dict(re.findall(r"(?:^|\s)([A-Za-z_/:]+)=(\S*)", line))
+        if "JobId" in fields:
+            jobs[fields["JobId"]] = fields
+    return jobs
+
+
+def expand_idx(gres: str) -> list[int]:
+    """'gpu:4(IDX:0-1,4-5)' -> [0, 1, 4, 5]."""
+    m = re.search(r"IDX:([\d,-]+)\)", gres)
+    if not m:
+        return []
+    ids = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        ids += range(int(lo), int(hi or lo) + 1)
+    return ids
+
+
+class JobPoller(threading.Thread):
+    """Reads `scontrol show job -d -o` every second: a running job's GPU indices (GRES=...IDX)
+    are only shown while it runs."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop_event = threading.Event()
+        self.running_idx: dict[str, list[int]] = {}
+
+    def run(self):
+        while not self.stop_event.is_set():
+            out = subprocess.run(
+                ["scontrol", "show", "job", "-d", "-o"], capture_output=True, text=True
+            ).stdout
+            for job_id, rec in parse_jobs(out).items():
+                if rec.get("JobState") == "RUNNING" and expand_idx(rec.get("GRES", "")):
+                    self.running_idx[job_id] = expand_idx(rec["GRES"])
+            self.stop_event.wait(1.0)
+
+
+def all_jobs() -> dict[str, dict[str, str]]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-d", "-o"], capture_output=True, text=True, check=True
+    ).stdout
+    return parse_jobs(out)
+
+
+def rule_of(rec: dict[str, str]) -> str:
+    """The plugin names each job's rule in its comment: rule_<name>[_wildcards_<values>]."""
+    return re.sub(r"_wildcards_.*$", "", rec["Comment"]).removeprefix("rule_")
+
+
+def merged_profile(dst: Path) -> Path:
+    """profiles/slurm/config.yaml with the test cluster's settings merged over it."""
+    profile = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+    overrides = yaml.safe_load((SLURM_DIR / "profile-overrides.yaml").read_text())
+    for key, value in overrides.items():
+        if key == "set-resources":
+            rules = profile.setdefault(key, {})
+            for rule, res in value.items():
+                rules[rule] = {**rules.get(rule, {}), **res}
+        elif key == "default-resources":
+            profile[key] = {**profile.get(key, {}), **value}
+        else:
+            profile[key] = value
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
+    return dst
+
+
+# ----------------------------------------------------------------- tests
+
+
+def test_gpu_launcher_inside_slurm_jobs(slurm_cluster, tmp_path):
+    """Under SLURM the launcher passes on the job's own GPUs, and refuses a job given too few."""
+    env = workflow_runner.env()
+    env["EAGLE3_GPU_LOCK_DIR"] = str(tmp_path / "locks")
+    launcher = f"{sys.executable} -m workflow_scripts.gpus"
+    jobs = {
+        "a": ("--gpus=4", f"{launcher} 4 -- sh -c 'echo visible=$CUDA_VISIBLE_DEVICES; sleep 4'"),
+        "b": ("--gpus=4", f"{launcher} 4 -- sh -c 'echo visible=$CUDA_VISIBLE_DEVICES; sleep 4'"),
+        "few": ("--gpus=2", f"{launcher} 4 -- sh -c 'echo ran'"),
+    }
+    ids = {}
+    for name, (gpus, cmd) in jobs.items():
+        out = subprocess.run(
+            ["sbatch", "--parsable", gpus, "--nodes=1", "--cpus-per-gpu=1", "--mem=500",
+             f"--output={tmp_path / name}.log", f"--chdir={ROOT}", f"--wrap={cmd}"],
+            capture_output=True, text=True, env=env, check=True,
+        ).stdout
+        ids[name] = out.strip().split(";")[0]
+        slurm_cluster.append(ids[name])
+    deadline = time.monotonic() + 120
+    while _active(list(ids.values())):
+        assert time.monotonic() < deadline, "the SLURM jobs did not finish in 2 minutes"
+        time.sleep(1)
+    recs = all_jobs()
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in jobs}
+    seen = {}
+    for name in ("a", "b"):
+        assert recs[ids[name]]["JobState"] == "COMPLETED", logs[name]
+        seen[name] = re.search(r"^visible=(\S+)$", logs[name], flags=re.M).group(1).split(",")
+        assert len(seen[name]) == 4
+        assert f"gpus: SLURM job {ids[name]} " in logs[name]
+    assert not set(seen["a"]) & set(seen["b"]), seen  # both ran at once on the 8 GPUs
+    assert recs[ids["few"]]["JobState"] == "FAILED"
+    assert "needs 4 GPU(s), found 2" in logs["few"] and "ran" not in logs["few"].split("\n")
+
+
+@pytest.mark.slow
+def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(slurm_cluster, tmp_path):
+    workdir = workflow_runner.copy_workflow(tmp_path / "wf", CONFIG)
+    profile = merged_profile(tmp_path / "profile")
+    poller = JobPoller()
+    poller.start()
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "draft_ckpt", "--profile", str(profile), "--configfile", "test_config.yaml",
+    ]
+    log_path = tmp_path / "snakemake.log"
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=workdir, env=workflow_runner.env(), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        finally:
+            poller.stop_event.set()
+            poller.join()
+            ours = [j for j, r in all_jobs().items() if r.get("WorkDir") == str(workdir)]
+            slurm_cluster.extend(ours)  # whatever still runs is cancelled by the fixture
+    elapsed = time.monotonic() - started
+    text = log_path.read_text()
+    assert proc.returncode == 0, f"snakemake failed ({proc.returncode}) after {elapsed:.0f}s:\n" + (
+        text[-12000:] + _failed_job_logs(workdir)
+    )
+    print(f"workflow on SLURM: {elapsed:.0f}s")
+    assert (workdir / "results" / "train").exists()
+
+    # every job of the run, from SLURM's records (MinJobAge keeps finished jobs for an hour)
+    recs = {j: r for j, r in all_jobs().items() if r.get("WorkDir") == str(workdir)}
+    by_rule: dict[str, list[str]] = {}
+    for job_id, rec in sorted(recs.items(), key=lambda kv: int(kv[0])):
+        assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", rec
+        by_rule.setdefault(rule_of(rec), []).append(job_id)
+    # each rule's job ran as a SLURM job of its own; extraction as two
+    assert len(by_rule["extract"]) == 2, by_rule
+    for rule in ("demo", "prepare", "vocab", "extract_merge", "train"):
+        assert len(by_rule.get(rule, [])) == 1, (rule, by_rule)
+
+    # what each job logged about its devices
+    logged = _launcher_lines(workdir / "results" / "logs")
+    for rule, count in GPU_RULES.items():
+        for job_id in by_rule[rule]:
+            rec = recs[job_id]
+            # the GPUs it asked for, on one node, as one task (not one task per GPU)
+            assert rec["TresPerJob"] == f"gres:gpu:{count}", rec
+            assert rec["NumNodes"] == "1" and rec["NumTasks"] == "1", rec
+            # the devices SLURM allocated while it ran, and what the job was given
+            assert job_id in poller.running_idx, (job_id, poller.running_idx)
+            allocated = poller.running_idx[job_id]
+            assert len(allocated) == count
+            assert job_id in logged, (job_id, logged)
+            assert logged[job_id] == [str(i) for i in allocated], (rule, job_id, logged)
+    for rule, ids in by_rule.items():
+        if rule not in GPU_RULES:
+            for job_id in ids:
+                assert "gpu" not in recs[job_id].get("TresPerJob", ""), recs[job_id]
+                assert job_id not in poller.running_idx and job_id not in logged
+
+    # the two extraction jobs ran side by side (4 + 4 GPUs, 16 CPUs): on different GPUs
+    a, b = (recs[j] for j in by_rule["extract"])
+    if _overlap(a, b):
+        ia, ib = (set(poller.running_idx[j]) for j in by_rule["extract"])
+        assert not ia & ib, (ia, ib)
+
+
+def _overlap(a: dict[str, str], b: dict[str, str]) -> bool:
+    t = lambda s: datetime.fromisoformat(s)  # noqa: E731
+    return t(a["StartTime"]) < t(b["EndTime"]) and t(b["StartTime"]) < t(a["EndTime"])
+
+
+def _launcher_lines(log_dir: Path) -> dict[str, list[str]]:
+    """SLURM job id -> CUDA_VISIBLE_DEVICES, from the line workflow_scripts/gpus.py writes first
+    into a GPU rule's log."""
+    found = {}
+    pattern = re.compile(r"^gpus: SLURM job (\d+) on \S+: CUDA_VISIBLE_DEVICES=(\S+)", re.M)
+    for path in log_dir.rglob("*.log"):
+        for job_id, visible in pattern.findall(path.read_text(errors="replace")):
+            found[job_id] = visible.rstrip(";").split(",")
+    return found
+
+
+def _failed_job_logs(workdir: Path) -> str:
+    parts = []
+    for path in sorted((workdir / "results" / "logs").rglob("*.log")):
+        parts.append(f"\n--- {path.relative_to(workdir)}\n{path.read_text(errors='replace')[-3000:]}")
+    slurm_logs = workdir / ".snakemake" / "slurm_logs"
+    if slurm_logs.exists():
+        for path in sorted(slurm_logs.rglob("*.log")):
+            parts.append(f"\n--- {path.relative_to(workdir)}\n{path.read_text(errors='replace')[-2000:]}")
+    return "".join(parts)[-20000:]
