@@ -10,6 +10,7 @@ include: "rules/common.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/vocab.smk"
+include: "rules/extract.smk"
 
 
 rule all:
@@ -21,3 +22,9 @@ rule all:
 rule vocab_map:
     input:
         rules.vocab.output,
+
+
+rule hidden_states:
+    """Target: the verifier's hidden states for all tokenized data (the extraction manifest)."""
+    input:
+        rules.extract_merge.output.manifest,

@@ -132,9 +132,14 @@ class ExtractParams(StageParams):
     """Verifier hidden states for every tokenized sample, written as safetensors shards."""
 
     backend: Literal["vllm", "transformers"] = Field(
-        "vllm", description="Engine that runs the verifier; transformers is the reference."
+        "vllm",
+        description="Engine that runs the verifier: vllm, or transformers (the reference, and "
+        "for verifiers vLLM cannot run). Both write the same shards.",
     )
-    num_jobs: int = Field(1, ge=1, description="Data-parallel extraction jobs (one model load each).")
+    num_jobs: int = Field(
+        1, ge=1, description="Data-parallel extraction jobs (one model load each); job j "
+        "extracts the shards whose index i has i % num_jobs == j."
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs per extraction job (vLLM tensor parallel size)."
     )
@@ -145,28 +150,55 @@ class ExtractParams(StageParams):
     )
     aux_layer_ids: list[int] | None = Field(
         None,
-        description="Auxiliary layers in vLLM's convention (id k = input of decoder layer k). "
-        "null means [2, N//2, N-3] for a verifier of N layers.",
+        description="Auxiliary layers in vLLM's convention (id k = input of decoder layer k = "
+        "HF hidden_states[k]), distinct, each in [0, N-1]; stored in ascending order. null means "
+        "[2, N//2, N-3] for a verifier of N layers. The final state (id N, before the final "
+        "norm) is always stored besides.",
     )
-    shard_size_samples: int = Field(256, ge=1, description="Samples per shard file.")
-    batch_size_samples: int = Field(64, ge=1, description="Most samples sent to the engine at once.")
+    shard_size_samples: int = Field(
+        256, ge=1, description="Samples per shard file; a restarted job redoes unfinished shards."
+    )
+    batch_size_samples: int = Field(
+        64, ge=1, description="Most samples the engine runs in one step (vLLM max_num_seqs); "
+        "twice as many are kept queued."
+    )
     batch_budget_tokens: int = Field(
-        32768, ge=1, description="Most tokens sent to the engine at once."
+        32768, ge=16, description="Most tokens the engine runs in one step (vLLM "
+        "max_num_batched_tokens); twice as many are kept queued."
     )
     max_model_len_tokens: int = Field(
-        4096, ge=8, description="Engine max model length; longer samples fail or are skipped."
+        4096,
+        ge=8,
+        description="Engine max model length. A sample of this many tokens or more (one "
+        "position is kept for the token vLLM must generate) fails or is skipped (on_too_long).",
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Engine memory share (on CPU: share of host memory for KV cache)."
+        0.9, gt=0, le=1, description="Engine memory share (on CPU: share of host memory for KV "
+        "cache, which must also cover the engine process's own memory)."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="KV cache size in bytes, overriding gpu_memory_utilization (vLLM "
+        "kv_cache_memory_bytes); on CPU the simplest way to bound memory. null: use the share.",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the engine without torch.compile / CUDA graphs: faster start-up, "
+        "possibly slower steps.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Engine and shard dtype; auto is bfloat16 on GPU, float32 on CPU."
+        "auto",
+        description="Engine and shard dtype; auto is the verifier's dtype (bfloat16 if it is "
+        "float32) on GPU and float32 on CPU.",
     )
     on_too_long: Literal["fail", "skip"] = Field(
-        "fail", description="A sample longer than max_model_len_tokens: stop, or skip and count."
+        "fail", description="A sample too long for max_model_len_tokens: stop before the model "
+        "loads, or skip it and count it in the manifest."
     )
     disk_margin: float = Field(
-        1.1, ge=1, description="Free disk needed = estimated shard bytes x this factor."
+        1.1, ge=1, description="Free disk needed = estimated bytes of the shards still to write "
+        "x this factor."
     )
     progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
 
@@ -174,14 +206,19 @@ class ExtractParams(StageParams):
 class ExtractIO(StageIO):
     tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
     verifier: Path = Field(description="Input: verifier directory.")
-    shard_dir: Path = Field(description="Directory the shards are written to (kept across runs).")
+    shard_dir: Path = Field(
+        description="Directory the shards are written to (not a rule output: kept across runs, "
+        "so finished shards are never redone)."
+    )
     job_index: int = Field(ge=0, description="Which data-parallel job this is (0-based).")
     part: Path = Field(description="Output: this job's part manifest (JSON).")
 
 
 class ExtractMergeIO(StageIO):
     parts: list[Path] = Field(description="Input: part manifests of all extraction jobs.")
-    manifest: Path = Field(description="Output: manifest of all shards (JSON).")
+    manifest: Path = Field(
+        description="Output: manifest of all shards (JSON); what downstream rules depend on."
+    )
 
 
 # --------------------------------------------------------------------------- train

@@ -1,0 +1,64 @@
+# Hidden-state extraction: extract.num_jobs data-parallel jobs, each one model load and the shards
+# i with i % num_jobs == job_index, then one manifest. Shards go to EXTRACT_SHARDS, which is no
+# rule's output: Snakemake never deletes a finished shard, and a rerun job reuses every shard
+# whose fingerprint still matches (a killed job redoes only the shards it had not finished).
+EXTRACT = RESULTS / "extract"
+EXTRACT_SHARDS = EXTRACT / "shards"
+EXTRACT_GPUS = CFG.extract.tensor_parallel_size if CFG.extract.use_gpus else 0
+# the verifier's weight files are inputs too: new weights, new hidden states
+EXTRACT_WEIGHTS = (
+    sorted(
+        str(path)
+        for pattern in ("*.safetensors", "pytorch_model*.bin")
+        for path in VERIFIER_DIR.glob(pattern)
+    )
+    if CFG.verifier
+    else [DEMO / "verifier" / "model.safetensors"]
+)
+
+
+rule extract:
+    """Tokenized data + verifier -> hidden-state shards of job {job_index}, and its part manifest."""
+    input:
+        tokenized=rules.prepare.output.tokenized,
+        verifier_config=VERIFIER_CONFIG,
+        weights=EXTRACT_WEIGHTS,
+        code=stage_code("extract"),
+    output:
+        part=EXTRACT / "parts" / "part_{job_index}.json",
+    log:
+        LOGS / "extract" / "job_{job_index}.log",
+    benchmark:
+        BENCHMARKS / "extract" / "job_{job_index}.tsv"
+    wildcard_constraints:
+        job_index=r"\d+",
+    conda:
+        "../envs/workflow.yaml"
+    threads: 4 if CFG.extract.use_gpus else workflow.cores
+    resources:
+        gpu=EXTRACT_GPUS,
+    params:
+        config=stage_config("extract"),
+        cmd=stage_cmd("extract", gpus=EXTRACT_GPUS, verifier=VERIFIER_DIR, shard_dir=EXTRACT_SHARDS),
+    shell:
+        "{params.cmd} > {log} 2>&1"
+
+
+rule extract_merge:
+    """The jobs' part manifests -> the manifest of all shards (what training depends on)."""
+    input:
+        parts=expand(
+            EXTRACT / "parts" / "part_{job_index}.json",
+            job_index=range(CFG.extract.num_jobs),
+        ),
+        code=stage_code("extract_merge"),
+    output:
+        manifest=EXTRACT / "manifest.json",
+    log:
+        LOGS / "extract_merge.log",
+    conda:
+        "../envs/workflow.yaml"
+    params:
+        cmd=stage_cmd("extract_merge"),
+    shell:
+        "{params.cmd} > {log} 2>&1"

@@ -1,0 +1,360 @@
+"""The engines that run the verifier for extraction, both writing through ``shards.ShardWriter``.
+
+* vLLM: the ``extract_hidden_states`` speculative method with ``ShardHiddenStatesConnector``
+  (``hidden_states_connector.py``), which writes each finished request's rows straight into its
+  place in the shard file. The driver keeps the engine fed with up to twice its step budget
+  (``batch_size_samples`` samples, ``batch_budget_tokens`` tokens) of queued requests, in shard
+  order, and finishes a shard as soon as its last sample is written. It holds no hidden states.
+* transformers: the reference. One sample at a time; aux id k is ``hidden_states[k]`` (the input
+  of decoder layer k) and the final state is the input of the final norm (a pre-hook on it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from workflow_scripts.shards import ShardWriter
+
+log = logging.getLogger("eagle3")
+ROOT = Path(__file__).resolve().parents[1]
+CONNECTOR = "ShardHiddenStatesConnector"
+CONNECTOR_MODULE = "workflow_scripts.hidden_states_connector"
+
+
+@dataclass
+class ShardJob:
+    """One shard to compute: its writer (created lazily) and the samples going into it."""
+
+    index: int
+    path: Path
+    samples: list[tuple[torch.Tensor, torch.Tensor]]  # (input_ids, loss_mask) per sample
+    metadata: dict[str, str]
+    writer: ShardWriter | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def open(self, num_aux: int, hidden_size: int, dtype: torch.dtype) -> ShardWriter:
+        if self.writer is None:
+            self.writer = ShardWriter(
+                self.path,
+                [ids for ids, _ in self.samples],
+                [mask for _, mask in self.samples],
+                num_aux,
+                hidden_size,
+                dtype,
+                self.metadata,
+            )
+        return self.writer
+
+
+class Finisher:
+    """Finishes shards (fsync, rename, checksum by reading back) in a background thread, so
+    the engine is not kept waiting; ``wait`` returns the results in submission order and
+    raises the first error."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-finish")
+        self._futures: list[Future] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._futures.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> list[Any]:
+        try:
+            return [f.result() for f in self._futures]
+        finally:
+            self._futures.clear()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+def vllm_engine_kwargs(
+    verifier: Path,
+    p,
+    dtype: str,
+    layer_ids: list[int] | None,
+    scratch: Path | None,
+) -> dict[str, Any]:
+    """LLM(...) arguments from the stage's typed config. ``layer_ids`` None: a plain engine with
+    the same settings and no extraction (the benchmark's baseline)."""
+    kwargs: dict[str, Any] = dict(
+        model=str(verifier),
+        skip_tokenizer_init=True,
+        tensor_parallel_size=p.tensor_parallel_size,
+        max_model_len=p.max_model_len_tokens,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        dtype=dtype,
+        enable_prefix_caching=False,  # every sample computed in full, never from another's cache
+        max_num_seqs=p.batch_size_samples,
+        max_num_batched_tokens=p.batch_budget_tokens,
+        enforce_eager=p.enforce_eager,
+        disable_log_stats=True,
+        seed=0,
+    )
+    if p.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
+    if layer_ids is not None:
+        assert scratch is not None
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        }
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
+        }
+    return kwargs
+
+
+def cpu_threads() -> int:
+    """Compute threads on a CPU: all usable cores but one, as vLLM binds its CPU worker. One
+    thread per core at most: an extra thread stalls every parallel op while a core is busy
+    (measured here: 19 s against 1 s for the same transformers run, 2 threads on 2 cores)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def core_in_process(p) -> bool:
+    """Run the engine core (and its single worker) in the driver's process: on a CPU with one
+    worker. Two processes fewer to start (about 10 s here), the same throughput when the
+    threads are set as vLLM sets them for its own worker process (see make_llm)."""
+    return not p.use_gpus and p.tensor_parallel_size == 1
+
+
+def make_llm(kwargs: dict[str, Any], in_process: bool = False):
+    """The engine. ``in_process``: its core and worker run in this process, which then steps
+    it itself; compute threads as vLLM's CPU worker would bind them: one core per worker left
+    to the scheduler (more threads than free cores stall at every parallel op)."""
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        torch.set_num_threads(cpu_threads())
+    if kwargs.get("kv_transfer_config") and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        # vLLM's CPU backend keeps one more core free when a KV connector is configured (for
+        # network transfers); this connector writes from the worker's own thread, so the
+        # extraction engine gets the same cores as a plain one
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(kwargs.get("tensor_parallel_size", 1))
+    # the engine's worker processes import the connector from this package
+    path = os.environ.get("PYTHONPATH", "")
+    if str(ROOT) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def close_llm(llm, timeout_s: float = 2.0) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+    except Exception as exc:  # shutting down is best effort
+        log.debug("engine shutdown: %r", exc)
+
+
+MAX_IDLE_STEPS = 100_000
+
+
+def engine_in_process(llm) -> bool:
+    """True when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(llm.llm_engine.engine_core, InprocClient)
+
+
+def _wait_written(hidden_states_path: str, block: bool) -> str | None:
+    """The status the connector left in the request's lock file, or None while it is still
+    writing (only when not ``block``). Removes the lock file once read."""
+    lock_path = hidden_states_path + ".lock"
+    with open(lock_path) as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
+        status = fh.read().strip()
+    os.remove(lock_path)
+    return status
+
+
+def run_vllm(
+    llm,
+    jobs: Iterable[ShardJob],
+    *,
+    batch_size_samples: int,
+    batch_budget_tokens: int,
+    extract: bool,
+    num_aux: int = 0,
+    hidden_size: int = 0,
+    dtype: torch.dtype = torch.float32,
+    on_sample: Callable[[int], None] = lambda tokens: None,
+    on_shard: Callable[[ShardJob], None] = lambda job: None,
+) -> None:
+    """Run every sample of ``jobs`` through the engine, in order, keeping up to twice the
+    engine's step budget queued. With ``extract``, each request carries its place in its shard
+    and a shard is finished (``on_shard``) once all its samples are written; without, this is
+    plain prefill (max_tokens=1) of the same samples."""
+    from vllm import SamplingParams
+
+    from workflow_scripts.hidden_states_connector import TARGET_KEY
+
+    engine = llm.llm_engine
+    in_process = engine_in_process(llm)
+    idle_steps = 0
+    max_samples = 2 * batch_size_samples
+    max_tokens = 2 * batch_budget_tokens
+    queue: Iterator[tuple[ShardJob, int]] = (
+        (job, i) for job in jobs for i in range(len(job.samples))
+    )
+    nxt = next(queue, None)
+    in_flight: dict[str, tuple[ShardJob, int, int]] = {}
+    in_flight_tokens = 0
+    unwritten: deque[tuple[str, ShardJob, int, int]] = deque()  # finished, write pending
+    remaining: dict[int, int] = {}
+
+    def finish_sample(job: ShardJob, i: int, tokens: int) -> None:
+        on_sample(tokens)
+        remaining[job.index] -= 1
+        if extract:
+            job.writer.done(i)
+        if remaining[job.index] == 0:
+            del remaining[job.index]
+            on_shard(job)
+
+    while nxt is not None or in_flight or unwritten:
+        while nxt is not None and (
+            not in_flight
+            or (
+                len(in_flight) < max_samples
+                and in_flight_tokens + nxt[0].samples[nxt[1]][0].numel() <= max_tokens
+            )
+        ):
+            job, i = nxt
+            ids = job.samples[i][0]
+            if job.index not in remaining:
+                remaining[job.index] = len(job.samples)
+                if extract:
+                    job.open(num_aux, hidden_size, dtype)
+            extra = {"kv_transfer_params": {TARGET_KEY: job.writer.target(i)}} if extract else None
+            req_id = f"{job.index}:{i}"
+            engine.add_request(
+                req_id,
+                {"prompt_token_ids": ids.tolist()},
+                SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra),
+            )
+            in_flight[req_id] = (job, i, int(ids.numel()))
+            in_flight_tokens += int(ids.numel())
+            nxt = next(queue, None)
+
+        # samples whose rows the worker may still be writing: collect those already written
+        while unwritten:
+            path, job, i, tokens = unwritten[0]
+            # an engine in another process writes on its own: wait when there is nothing else
+            # to do; an engine in this process writes only when stepped
+            status = _wait_written(path, block=not in_flight and not in_process)
+            if status is None:
+                break
+            unwritten.popleft()
+            idle_steps = 0
+            if status != f"ok {tokens}":
+                raise RuntimeError(
+                    f"hidden states of sample {i} of shard {job.index} were not written: "
+                    f"{status or 'the engine died while writing'}"
+                )
+            finish_sample(job, i, tokens)
+
+        if not in_flight and not (unwritten and in_process):
+            continue
+        outputs = engine.step()
+        idle_steps = 0 if outputs else idle_steps + 1
+        if idle_steps > MAX_IDLE_STEPS:
+            raise RuntimeError(f"the engine made no progress in {MAX_IDLE_STEPS} steps")
+        for out in outputs:
+            if not out.finished:
+                continue
+            job, i, tokens = in_flight.pop(out.request_id)
+            in_flight_tokens -= tokens
+            if extract:
+                params = out.kv_transfer_params or {}
+                if "hidden_states_path" not in params:
+                    raise RuntimeError(f"request {out.request_id}: no hidden states reported")
+                unwritten.append((params["hidden_states_path"], job, i, tokens))
+            else:
+                finish_sample(job, i, tokens)
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+class TransformersExtractor:
+    """The reference backend: Hugging Face transformers, one sample per forward pass."""
+
+    def __init__(self, verifier: Path, dtype: torch.dtype, aux_ids: list[int], use_gpus: bool):
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if use_gpus:
+            kwargs["device_map"] = "auto"
+        else:
+            torch.set_num_threads(cpu_threads())
+        self.model = AutoModelForCausalLM.from_pretrained(str(verifier), **kwargs).eval()
+        self.base = self.model.get_decoder()
+        norm = next(
+            (
+                getattr(self.base, n)
+                for n in ("norm", "final_layernorm", "ln_f")
+                if hasattr(self.base, n)
+            ),
+            None,
+        )
+        if norm is None:
+            raise RuntimeError(
+                f"{type(self.base).__name__} has no final norm (norm / final_layernorm / ln_f) "
+                "to take the final pre-norm state from"
+            )
+        self.aux_ids = aux_ids
+        self._captured: dict[str, torch.Tensor] = {}
+        norm.register_forward_pre_hook(self._hook)
+        self.device = next(self.model.parameters()).device
+
+    def _hook(self, _module, args):
+        self._captured["final"] = args[0]
+
+    @torch.inference_mode()
+    def states(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.base(input_ids=ids[None].to(self.device), output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[k][0] for k in self.aux_ids], dim=1)
+        return aux.cpu(), self._captured.pop("final")[0].cpu()
+
+    def run(
+        self,
+        jobs: Iterable[ShardJob],
+        hidden_size: int,
+        dtype: torch.dtype,
+        on_sample: Callable[[int], None],
+        on_shard: Callable[[ShardJob], None],
+    ) -> None:
+        for job in jobs:
+            writer = job.open(len(self.aux_ids), hidden_size, dtype)
+            for i, (ids, _) in enumerate(job.samples):
+                aux, final = self.states(ids)
+                writer.put(i, aux.to(dtype), final.to(dtype))
+                on_sample(int(ids.numel()))
+            on_shard(job)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
