@@ -14,7 +14,7 @@ from typing import Any
 
 from workflow_scripts import cli
 from workflow_scripts.common import UserError, read_json, run_main, write_json
-from workflow_scripts.shards import FORMAT_VERSION
+from workflow_scripts.shards import FORMAT_VERSION, RERUN_HINT
 
 log = logging.getLogger("eagle3")
 
@@ -63,11 +63,11 @@ def merge(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -> dict
                 raise UserError(f"shard {index} appears in two parts (second: {path})")
             shard = (path.parent / entry["file"]).resolve()
             if not shard.is_file():
-                raise UserError(f"{path}: shard {shard} is missing; rerun extraction")
+                raise UserError(f"{path}: shard {shard} is missing; {RERUN_HINT}")
             if shard.stat().st_size != entry["bytes"]:
                 raise UserError(
                     f"{path}: shard {shard} has {shard.stat().st_size} bytes, its part recorded "
-                    f"{entry['bytes']}; it was overwritten: rerun extraction"
+                    f"{entry['bytes']}; it was overwritten: {RERUN_HINT}"
                 )
             entries[index] = {
                 **entry,

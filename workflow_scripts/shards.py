@@ -41,6 +41,12 @@ LAYER_CONVENTION = (
     "vllm: aux id k is the input of decoder layer k (HF hidden_states[k]); "
     "final_hidden_states is the output of the last layer before the final norm"
 )
+# Shards are no rule's output (so Snakemake never deletes them): a shard lost after extraction
+# is recomputed by forcing the extraction jobs, which reuse every shard still in place.
+RERUN_HINT = (
+    "rerun extraction with `snakemake --forcerun extract <target>`: shards still in place "
+    "are reused, only the missing ones are computed"
+)
 TENSORS = ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask", "sample_offsets")
 
 
@@ -135,11 +141,11 @@ def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
         shard = (base / entry["file"]).resolve()
         entry["path"] = str(shard)
         if not shard.is_file():
-            raise UserError(f"{path}: shard {shard} is missing; rerun extraction")
+            raise UserError(f"{path}: shard {shard} is missing; {RERUN_HINT}")
         if verify_checksums and sha256_file(shard) != entry["sha256"]:
             raise UserError(
                 f"{path}: shard {shard} does not match its checksum (corrupt or overwritten); "
-                "delete it and rerun extraction"
+                f"delete it and {RERUN_HINT}"
             )
     return manifest
 
