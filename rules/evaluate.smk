@@ -1,0 +1,51 @@
+EVALUATE_GPUS = CFG.evaluate.tensor_parallel_size if CFG.evaluate.use_gpus else 0
+
+
+rule evaluate_draft:
+    """The draft under real vLLM speculative decoding: acceptance, throughput, n-gram baseline."""
+    input:
+        verifier_config=VERIFIER_CONFIG,
+        draft=rules.train.output.draft,
+        eval_prompts=EVAL_PROMPTS,
+        metrics=rules.train.output.metrics,
+        code=stage_code("evaluate"),
+    output:
+        results=report(
+            RESULTS / "evaluate" / "results.json",
+            category="Evaluation",
+            caption="../report/evaluation.rst",
+        ),
+        plot_dir=report(
+            directory(RESULTS / "evaluate" / "plots"),
+            patterns=["{name}.png"],
+            category="Evaluation",
+            caption="../report/plots.rst",
+        ),
+    log:
+        LOGS / "evaluate.log",
+    benchmark:
+        BENCHMARKS / "evaluate.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=EVALUATE_GPUS,
+    conda:
+        "../envs/workflow.yaml"
+    params:
+        config=stage_config("evaluate"),
+        cmd=stage_cmd("evaluate", gpus=EVALUATE_GPUS, verifier=VERIFIER_DIR),
+    shell:
+        "{params.cmd} > {log} 2>&1"
+
+
+rule resolved_config:
+    """The configuration in force, every default filled in (for the report and for the record)."""
+    output:
+        report(RESULTS / "config.resolved.yaml", category="Configuration"),
+    log:
+        LOGS / "resolved_config.log",
+    conda:
+        "../envs/workflow.yaml"
+    params:
+        config=CFG.model_dump_json(),
+    run:
+        Path(output[0]).write_text(yaml.safe_dump(CFG.model_dump(mode="json"), sort_keys=False))
