@@ -11,6 +11,7 @@ include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/vocab.smk"
 include: "rules/extract.smk"
+include: "rules/train.smk"
 
 
 rule all:
@@ -28,3 +29,9 @@ rule hidden_states:
     """Target: the verifier's hidden states for all tokenized data (the extraction manifest)."""
     input:
         rules.extract_merge.output.manifest,
+
+
+rule draft_ckpt:
+    """Target: the trained EAGLE-3 draft (speculators format; vLLM serves it as eagle3)."""
+    input:
+        rules.train.output.draft,

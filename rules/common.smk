@@ -39,6 +39,7 @@ STAGE_CODE = {
         "shards.py",
     ],
     "extract_merge": ["extract_merge.py", "shards.py"],
+    "train": ["train.py", "draft_model.py", "checkpoint.py", "shards.py"],
 }
 
 

@@ -1,0 +1,501 @@
+"""train: the draft's TTT unroll against token-by-token decoding, the teacher against the full
+verifier, bad inputs stopping before the first step, exact resume after a kill, and two gloo
+processes training the same model as one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from tests.train_data_for_tests import (
+    build_inputs,
+    hidden_states,
+    random_samples,
+    read_metrics,
+    tiny_verifier,
+)
+from workflow_scripts import train
+from workflow_scripts.checkpoint import read_draft_checkpoint, speculators_config
+from workflow_scripts.checkpoint import write_draft_checkpoint
+from workflow_scripts.common import UserError
+from workflow_scripts.draft_model import (
+    DraftConfig,
+    Eagle3Draft,
+    Rotary,
+    TeacherHead,
+    llama_layer_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = dict(
+    micro_batch_budget_tokens=128,
+    learning_rate=3e-3,
+    warmup_steps=5,
+    log_every_steps=10,
+    validation_fraction=0.1,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """These tiny models train fastest on one thread per process, and then a busy machine
+    cannot stall them in OpenMP barriers (the scripts follow OMP_NUM_THREADS)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A 4-layer random verifier, 64 samples in 4 shards, a 64-token draft vocabulary."""
+    return build_inputs(tmp_path_factory.mktemp("train_inputs"))
+
+
+def copy_inputs(inputs, dst: Path):
+    for name in ("verifier", "extract", "vocab"):
+        shutil.copytree(inputs.verifier.parent / name, dst / name)
+    return type(inputs)(
+        dst / "verifier", dst / "extract" / "manifest.json", dst / "vocab" / "vocab_map.safetensors"
+    )
+
+
+def run_script(args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def small_draft(seed=0, vocab=50, hidden=32, heads=4, kv_heads=2):
+    layer = llama_layer_config(
+        dict(
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=vocab,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        )
+    )
+    torch.manual_seed(seed)
+    model = Eagle3Draft(DraftConfig.from_layer_config(layer, draft_vocab_size=20))
+    model.reset_parameters(std=0.3)  # large weights: attention patterns matter
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "eps") and hasattr(module, "weight"):
+                module.weight.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+@torch.no_grad()
+def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
+    """The draft run as vLLM runs it, one token at a time with a KV cache: the prefix fed with
+    the verifier's features at positions 0..t, then draft token k at position t+k from the
+    draft's own previous output, attending to the prefix and the tokens drafted before it.
+    Returns {(k, t): r}."""
+    layer, attn = model.layers[0], model.layers[0].self_attn
+    nh, nkv, hd = attn.n_heads, attn.n_kv, attn.head_dim
+    n = ids.numel() - 1
+    features = model.fc(aux[:n].flatten(1))
+
+    def token(t):
+        return ids[t] if t < ids.numel() else torch.tensor(0)
+
+    def qkv(tok, g, pos):
+        normed = layer.hidden_norm(g)
+        residual = normed if layer.norm_before_residual else g
+        x = torch.cat([layer.input_layernorm(model.embed_tokens(tok)), normed])
+        cos, sin = model.rotary(torch.tensor([pos]))
+        q = rotate(attn.q_proj(x).view(nh, hd), cos, sin)
+        k = rotate(attn.k_proj(x).view(nkv, hd), cos, sin)
+        return q, k, attn.v_proj(x).view(nkv, hd), residual
+
+    def attend(q, keys, values, residual):
+        heads = []
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            w = torch.softmax(keys[:, kv] @ q[h] / math.sqrt(hd), dim=0)
+            heads.append(w @ values[:, kv])
+        r = residual + attn.o_proj(torch.cat(heads))
+        return r + layer.mlp(layer.post_attention_layernorm(r))
+
+    out = {}
+    prefix = [qkv(token(t + 1), features[t], t) for t in range(n)]
+    K0 = torch.stack([p[1] for p in prefix])
+    V0 = torch.stack([p[2] for p in prefix])
+    for t in range(n):
+        out[0, t] = attend(prefix[t][0], K0[: t + 1], V0[: t + 1], prefix[t][3])
+        keys, values, g = K0[: t + 1], V0[: t + 1], out[0, t]
+        for k in range(1, ttt_steps):
+            q, kk, vv, residual = qkv(token(t + 1 + k), g, t + k)
+            keys, values = torch.cat([keys, kk[None]]), torch.cat([values, vv[None]])
+            g = out[k, t] = attend(q, keys, values, residual)
+    return out
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_ttt_unroll_equals_token_by_token_decoding(norm_before_residual):
+    model = small_draft()
+    model.cfg.norm_before_residual = norm_before_residual
+    model.layers[0].norm_before_residual = norm_before_residual
+    model.double()  # float64: any difference is a logic error, not rounding
+    torch.manual_seed(1)
+    L, steps = 11, 4
+    aux = torch.randn(2, L, 3, 32, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, L))
+    with torch.no_grad():
+        unrolled = model.unroll(aux, ids, steps)
+    for b in range(2):
+        reference = decode_like_a_server(model, aux[b], ids[b], steps)
+        for (k, t), r in reference.items():
+            torch.testing.assert_close(unrolled[k][b, t], r, atol=1e-10, rtol=1e-10)
+
+
+def test_ttt_rows_do_not_see_each_other_or_padding():
+    """A shorter row padded to a longer one computes what it computes alone."""
+    model = small_draft().double()
+    torch.manual_seed(2)
+    f64 = dict(dtype=torch.float64)
+    aux, ids = torch.randn(1, 6, 3, 32, **f64), torch.randint(0, 50, (1, 6))
+    pad_aux = torch.cat([aux, torch.randn(1, 4, 3, 32, **f64)], 1)
+    pad_ids = torch.cat([ids, torch.randint(0, 50, (1, 4))], 1)
+    batch_aux = torch.cat([pad_aux, torch.randn(1, 10, 3, 32, **f64)])
+    batch_ids = torch.cat([pad_ids, torch.randint(0, 50, (1, 10))])
+    with torch.no_grad():
+        alone = model.unroll(aux, ids, 3)
+        together = model.unroll(batch_aux, batch_ids, 3)
+    for k in range(3):
+        n_valid = 5 - k  # indices whose input tokens lie inside the short row
+        torch.testing.assert_close(together[k][0, :n_valid], alone[k][0, :n_valid])
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rope_matches_transformers(rope):
+    layer = llama_layer_config(
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=10,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            rope_parameters=rope,
+        )
+    )
+    from transformers import LlamaConfig
+
+    reference = LlamaRotaryEmbedding(LlamaConfig(**layer))
+    positions = torch.arange(300)
+    cos_ref, sin_ref = reference(torch.zeros(1, 300, 16), positions[None])
+    cos, sin = Rotary(layer)(positions)
+    torch.testing.assert_close(cos, cos_ref[0])
+    torch.testing.assert_close(sin, sin_ref[0])
+
+
+def test_teacher_is_the_verifier_restricted_to_the_draft_vocab(inputs):
+    """final_norm + selected lm_head rows on the pre-norm final state = the full verifier's
+    logits at those token ids, renormalised over the draft vocabulary."""
+    model = tiny_verifier()
+    vcfg = json.loads((inputs.verifier / "config.json").read_text())
+    t2d = load_file(str(inputs.vocab_map))["t2d"]
+    located = train.locate_verifier_tensors(inputs.verifier, vcfg)
+    teacher = TeacherHead(
+        train.read_verifier_tensor(located["norm"]),
+        train.read_verifier_tensor(located["lm_head"], rows=t2d, chunk_rows=100),
+        vcfg["rms_norm_eps"],
+    )
+    ids = random_samples(1, 256, seed=5)[0][0]
+    _, final = hidden_states(model, ids, [1])
+    with torch.no_grad():
+        full = model(input_ids=ids[None]).logits[0]
+    expected = torch.log_softmax(full[:, t2d], dim=-1)
+    torch.testing.assert_close(teacher.log_probs(final), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_verifier_tensors_from_sharded_and_tied_checkpoints(inputs, tmp_path):
+    """Only the three tensors are read, wherever an index puts them; a tied lm_head is the
+    embedding."""
+    vcfg = json.loads((inputs.verifier / "config.json").read_text())
+    full = load_file(str(inputs.verifier / "model.safetensors"))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps(vcfg))
+    names = sorted(full)
+    parts = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    weight_map = {}
+    for file, part in parts.items():
+        save_file({n: full[n] for n in part}, str(sharded / file))
+        weight_map.update({n: file for n in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    rows = torch.rand(256) < 0.3
+    located = train.locate_verifier_tensors(sharded, vcfg)
+    assert {k: name for k, (_, name) in located.items()} == {
+        "embed": "model.embed_tokens.weight",
+        "norm": "model.norm.weight",
+        "lm_head": "lm_head.weight",
+    }
+    head = train.read_verifier_tensor(located["lm_head"], rows=rows, chunk_rows=50)
+    torch.testing.assert_close(head, full["lm_head.weight"][rows])
+
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    (tied / "config.json").write_text(json.dumps({**vcfg, "tie_word_embeddings": True}))
+    save_file(
+        {n: t for n, t in full.items() if n != "lm_head.weight"}, str(tied / "model.safetensors")
+    )
+    tied_cfg = {**vcfg, "tie_word_embeddings": True}
+    assert (
+        train.locate_verifier_tensors(tied, tied_cfg)["lm_head"][1] == "model.embed_tokens.weight"
+    )
+    with pytest.raises(UserError, match="no lm_head.weight"):
+        train.locate_verifier_tensors(tied, {**vcfg, "tie_word_embeddings": False})
+
+
+def test_checkpoint_format(tmp_path):
+    model = small_draft()
+    layer = model.cfg.layer_config
+    selected = torch.randperm(50, generator=torch.Generator().manual_seed(0))[:20].sort().values
+    d2t = selected - torch.arange(20)
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[selected] = True
+    cfg = speculators_config(
+        layer_config=layer,
+        draft_vocab_size=20,
+        aux_layer_ids=[2, 4, 7],
+        num_speculative_tokens=3,
+        verifier_name_or_path="/models/verifier",
+        verifier_architectures=["LlamaForCausalLM"],
+    )
+    write_draft_checkpoint(tmp_path / "draft", model.trainable_state_dict(), cfg, d2t, t2d)
+    config, tensors = read_draft_checkpoint(tmp_path / "draft")
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["architectures"] == ["Eagle3Speculator"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]
+    assert config["transformer_layer_config"]["model_type"] == "llama"
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/verifier"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert tensors["fc.weight"].shape == (32, 96)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (32, 64)
+    assert tensors["lm_head.weight"].shape == (20, 32)
+    assert torch.equal(tensors["d2t"], d2t) and torch.equal(tensors["t2d"], t2d)
+    assert not any(k.startswith("embed_tokens") for k in tensors)
+    with pytest.raises(ValueError, match="ascending"):
+        speculators_config(**{**dict(
+            layer_config=layer, draft_vocab_size=20, num_speculative_tokens=3,
+            verifier_name_or_path="v", verifier_architectures=None), "aux_layer_ids": [4, 2, 7]})  # fmt: skip
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _set_manifest(inputs, **changes):
+    manifest = json.loads(inputs.manifest.read_text())
+    manifest.update(changes)
+    inputs.manifest.write_text(json.dumps(manifest))
+
+
+def _write_map(inputs, d2t, t2d):
+    save_file({"d2t": d2t, "t2d": t2d}, str(inputs.vocab_map))
+
+
+def _corrupt_shard(inputs):
+    shard = inputs.manifest.parent / "shard_000002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # same size, one byte different
+    shard.write_bytes(bytes(data))
+
+
+BAD_INPUTS = {
+    "aux layer id past the last layer": (
+        lambda i: _set_manifest(i, aux_layer_ids=[2, 3, 4]),
+        r"aux_layer_ids \[2, 3, 4\] do not fit the verifier .* 4 layers",
+    ),
+    "hidden size": (
+        lambda i: _set_manifest(i, hidden_size=128),
+        r"hidden_size 128 does not match the verifier .*hidden_size 64",
+    ),
+    "layer count": (
+        lambda i: _set_manifest(i, num_hidden_layers=6),
+        r"num_hidden_layers 6 does not match the verifier .*4 layers",
+    ),
+    "another verifier": (
+        lambda i: _set_manifest(i, verifier={"path": "x", "config_sha256": "0" * 64}),
+        r"extracted from another verifier",
+    ),
+    "vocab map for another vocabulary": (
+        lambda i: _write_map(i, torch.arange(64), torch.arange(300) < 64),
+        r"built for a vocabulary of 300 tokens, but the verifier has 256",
+    ),
+    "draft vocab larger than the verifier's": (
+        lambda i: _write_map(
+            i, torch.zeros(300, dtype=torch.int64), torch.ones(300, dtype=torch.bool)
+        ),
+        r"draft vocabulary \(300 tokens\) is larger than the verifier's vocabulary \(256",
+    ),
+    "missing shard": (
+        lambda i: (i.manifest.parent / "shard_000001.safetensors").unlink(),
+        r"shard .*shard_000001.safetensors is missing",
+    ),
+    "bad checksum": (_corrupt_shard, r"shard_000002.safetensors does not match its checksum"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_stops_before_the_first_step(inputs, tmp_path, case):
+    spoil, message = BAD_INPUTS[case]
+    bad = copy_inputs(inputs, tmp_path)
+    spoil(bad)
+    with pytest.raises(UserError, match=message):
+        train.main(bad.args(tmp_path / "out", epochs=1, **FAST))
+    assert not (tmp_path / "out" / "state" / train.METRICS_FILE).exists()
+    assert not (tmp_path / "out" / "draft").exists()
+
+
+def test_bad_input_exits_with_the_message_before_starting_processes(inputs, tmp_path):
+    bad = copy_inputs(inputs, tmp_path)
+    _corrupt_shard(bad)
+    proc = run_script(bad.args(tmp_path / "out", epochs=1, num_cpu_processes=2, **FAST))
+    assert proc.returncode == 2, proc.stderr
+    assert "does not match its checksum" in proc.stderr
+    assert "starting 2 training processes" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_training_learns_and_writes_checkpoint_and_metrics(inputs, tmp_path):
+    out = tmp_path / "out"
+    train.main(inputs.args(out, epochs=6, checkpoint_every_steps=20, **FAST))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    first, last = rows[0], rows[-1]
+    assert last["loss"] < 0.6 * first["loss"]
+    assert len(last["top1_agreement"]) == 3 and all(0 <= a <= 1 for a in last["top1_agreement"])
+    assert sum(last["top1_agreement"]) > sum(first["top1_agreement"])
+    validation = read_metrics(out / "metrics.jsonl", "val")
+    assert validation and validation[-1]["step"] == last["step"]
+    config, tensors = read_draft_checkpoint(out / "draft")
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["draft_vocab_size"] == 64 and tensors["lm_head.weight"].shape == (64, 64)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(inputs.verifier)
+
+
+def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
+    params = dict(epochs=10, checkpoint_every_steps=10, **FAST)
+    whole = run_script(inputs.args(tmp_path / "whole", **params))
+    assert whole.returncode == 0, whole.stderr
+    expected = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    total = len(expected)
+    # the log: loss, per-step agreement, throughput and ETA from the first step on
+    first_line = next(line for line in whole.stderr.splitlines() if f"step 1/{total} " in line)
+    for part in ("loss", "top-1 agreement per TTT step [", "tokens/s", "ETA"):
+        assert part in first_line, first_line
+    assert {"loss", "top1_agreement", "tokens_per_s", "eta_s", "lr"} <= set(expected[0])
+
+    args = inputs.args(tmp_path / "killed", **params)
+    state = tmp_path / "killed" / "state" / train.STATE_FILE
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workflow_scripts.train", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = torch.load(state, weights_only=False)["step"]
+    assert 0 < killed_at < total, "the run ended before it could be killed"
+    assert not (tmp_path / "killed" / "draft").exists()
+
+    resumed = run_script(args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {state} at step {killed_at}" in resumed.stderr
+    got = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, total + 1))
+    for a, b in zip(got, expected):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), a["step"]
+        assert a["top1_agreement"] == pytest.approx(b["top1_agreement"], abs=1e-6)
+    _, w_whole = read_draft_checkpoint(tmp_path / "whole" / "draft")
+    _, w_resumed = read_draft_checkpoint(tmp_path / "killed" / "draft")
+    for name in w_whole:
+        torch.testing.assert_close(w_resumed[name], w_whole[name], atol=1e-6, rtol=1e-5)
+
+
+def test_changed_settings_do_not_resume_an_old_state(inputs, tmp_path):
+    out = tmp_path / "out"
+    train.main(inputs.args(out, epochs=1, checkpoint_every_steps=5, **FAST))
+    rows = read_metrics(out / "metrics.jsonl")
+    train.main(
+        inputs.args(out, epochs=1, checkpoint_every_steps=5, **{**FAST, "learning_rate": 1e-3})
+    )
+    again = read_metrics(out / "metrics.jsonl")
+    assert len(again) == len(rows) and again[0]["lr"] != rows[0]["lr"]
+
+
+def test_two_gloo_processes_train_the_same_model_as_one(inputs, tmp_path):
+    common = dict(epochs=2, checkpoint_every_steps=1000, **FAST)
+    one = run_script(inputs.args(tmp_path / "one", grad_accum_steps=2, **common))
+    assert one.returncode == 0, one.stderr
+    two = run_script(inputs.args(tmp_path / "two", num_cpu_processes=2, **common))
+    assert two.returncode == 0, two.stderr
+    assert "starting 2 training processes" in two.stderr
+    rows_one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    rows_two = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert len(rows_one) == len(rows_two) > 10
+    for a, b in zip(rows_one, rows_two):
+        assert a["tokens"] == b["tokens"] and a["positions_per_step"] == b["positions_per_step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    _, w_one = read_draft_checkpoint(tmp_path / "one" / "draft")
+    _, w_two = read_draft_checkpoint(tmp_path / "two" / "draft")
+    for name in w_one:
+        torch.testing.assert_close(w_two[name], w_one[name], atol=1e-4, rtol=1e-3)

@@ -1,0 +1,390 @@
+"""The EAGLE-3 draft model and its training-time-test (TTT) loss, laid out as vLLM serves it.
+
+The draft is one Llama decoder layer that reads the verifier's features (names as in the
+checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
+
+    g      = fc(concat(aux_1, ..., aux_m))                 # step 0: verifier features, [H]
+    x      = concat(input_layernorm(embed(token)), hidden_norm(g))          # [2H]
+    r      = hidden_norm(g) if norm_before_residual else g
+    r      = r + self_attn(x)                              # q/k/v project 2H, RoPE
+    r      = r + mlp(post_attention_layernorm(r))
+    logits = lm_head(norm(r))                              # [K]
+    g      = r                                             # fed back at the next step
+
+Alignment. A sample is tokens x_0..x_{T-1} with the verifier's states at every position. Draft
+index t (0 <= t < T-1) at TTT step k:
+
+    input     step 0: the verifier's features at position t;  step k: the draft's own r of step
+              k-1 at index t;  token x_{t+1+k};  RoPE position t+k
+    predicts  x_{t+2+k}; counted when x_{t+2+k} is loss-masked (an assistant token)
+    teacher   the verifier's distribution at position t+1+k restricted to the draft vocabulary:
+              softmax(lm_head_verifier[t2d] @ final_norm(h_N[t+1+k]))
+    attends   the step-0 keys at indices 0..t and the keys of steps 1..k at index t
+
+which is exactly what vLLM's proposer does: it feeds (x_{i+1}, features of i) at position i into
+the draft's KV cache for the whole prefix, then drafts token k+1 at position t+k from its own
+previous output, attending to the prefix and the k tokens drafted before. The TTT input tokens
+are the data's (as in EAGLE-3), so the teacher distributions are conditioned on the same prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Keys of the verifier's config.json copied into the draft's Llama layer config unchanged, so the
+# draft's attention geometry and RoPE are the verifier's (the embedding is shared).
+VERIFIER_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+# transformers' generic config fields, meaningless for one draft layer
+GENERIC_CONFIG_KEYS = (
+    "id2label",
+    "label2id",
+    "_name_or_path",
+    "transformers_version",
+    "dtype",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "problem_type",
+    "pretraining_tp",
+    "use_cache",
+)
+
+
+def llama_layer_config(verifier_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The draft's decoder layer as a one-layer Llama config (transformers' dict form): what the
+    checkpoint stores as ``transformer_layer_config`` and what the model below is built from."""
+    from transformers import LlamaConfig
+
+    kwargs = {k: verifier_cfg[k] for k in VERIFIER_KEYS if verifier_cfg.get(k) is not None}
+    if "head_dim" not in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    cfg = LlamaConfig(
+        **kwargs,
+        num_hidden_layers=1,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    out = cfg.to_dict()
+    for generic in GENERIC_CONFIG_KEYS:
+        out.pop(generic, None)
+    return out
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    verifier_vocab_size: int
+    draft_vocab_size: int
+    num_aux_layers: int = 3
+    norm_before_residual: bool = True
+    layer_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_layer_config(
+        cls, layer_config: dict[str, Any], draft_vocab_size: int, num_aux_layers: int = 3
+    ) -> "DraftConfig":
+        c = layer_config
+        return cls(
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_key_value_heads"],
+            head_dim=c["head_dim"],
+            rms_norm_eps=c["rms_norm_eps"],
+            verifier_vocab_size=c["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            num_aux_layers=num_aux_layers,
+            layer_config=dict(layer_config),
+        )
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = at_least_float32(x)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(layer_config: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """RoPE frequencies and cos/sin scale for the layer config (Llama-3 and other scalings via
+    transformers' implementations, so the draft rotates as its serving engine does)."""
+    params = layer_config.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", layer_config.get("rope_theta", 10000.0))
+        dim = layer_config["head_dim"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return inv_freq.float(), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](LlamaConfig(**layer_config), "cpu")
+    return inv_freq.float(), float(scale)
+
+
+class Rotary(nn.Module):
+    def __init__(self, layer_config: dict[str, Any]):
+        super().__init__()
+        inv_freq, self.scale = rope_inverse_frequencies(layer_config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [len(positions), head_dim] (float32)."""
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.scale, emb.sin() * self.scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, n, head_dim] rotated in the 'rotate half' (neox) layout Llama uses."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (at_least_float32(x) * cos + at_least_float32(rotated) * sin).to(x.dtype)
+
+
+def ttt_attention_mask(n: int, step: int, device) -> torch.Tensor:
+    """Which keys a query may see at TTT ``step``: [n, (step+1)*n] bool. Keys are laid out as the
+    step-0 keys (causal), then one block per later step (only the same index: the diagonal)."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(n, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        width = 2 * cfg.hidden_size  # the embedding and the features, side by side
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]):
+        """x: [B, n, 2H]. ``cache`` holds the (k, v) of the earlier TTT steps; this step's are
+        appended, and the queries attend to all of them through ``ttt_attention_mask``."""
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.append((k, v))
+        keys = torch.cat([c[0] for c in cache], dim=2)
+        values = torch.cat([c[1] for c in cache], dim=2)
+        if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves a group
+            keys = keys.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            values = values.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        mask = ttt_attention_mask(n, len(cache) - 1, x.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, g, cos, sin, cache):
+        """embeds, g: [B, n, H] -> the layer's output r [B, n, H] (before the final norm)."""
+        normed = self.hidden_norm(g)
+        residual = normed if self.norm_before_residual else g
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        r = residual + self.self_attn(x, cos, sin, cache)
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+# --------------------------------------------------------------------------- the draft
+
+STAT_KEYS = ("kl", "correct", "count")
+
+
+class TeacherHead(nn.Module):
+    """The verifier's final norm and the lm_head rows of the draft vocabulary (frozen): the
+    teacher distribution over K tokens without ever forming full-vocabulary logits."""
+
+    def __init__(self, norm_weight: torch.Tensor, lm_head_rows: torch.Tensor, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("norm_weight", norm_weight.detach().clone(), persistent=False)
+        self.register_buffer("lm_head_rows", lm_head_rows.detach().clone(), persistent=False)
+
+    @torch.no_grad()
+    def log_probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """final_hidden: [N, H] (the last layer's output before the final norm) -> [N, K] fp32."""
+        x = final_hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = (self.norm_weight.float() * x).to(self.lm_head_rows.dtype)
+        return F.log_softmax((x @ self.lm_head_rows.T).float(), dim=-1)
+
+
+class Eagle3Draft(nn.Module):
+    """Parameter names are the checkpoint's (speculators format); ``embed_tokens`` is the
+    verifier's, frozen, and not saved."""
+
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.verifier_vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux_layers * H, H, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg.layer_config)
+        self.reset_parameters()
+        if embed_weight is not None:
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(embed_weight)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What the checkpoint stores: everything but the verifier's embedding."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int):
+        """The draft's outputs r for every TTT step: a list of ``ttt_steps`` tensors [B, n, H].
+
+        aux_hidden: [B, L, m, H] verifier auxiliary states; input_ids: [B, L]; n = L - 1.
+        """
+        B, L = input_ids.shape
+        n = L - 1
+        g = self.fc(aux_hidden[:, :n].flatten(2))
+        positions = torch.arange(n, device=input_ids.device)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        outputs = []
+        for k in range(ttt_steps):
+            embeds = self.embed_tokens(shift_left(input_ids, 1 + k, n))  # x_{t+1+k}
+            cos, sin = self.rotary(positions + k)
+            g = self.layers[0](embeds.to(g.dtype), g, cos, sin, cache)
+            outputs.append(g)
+        return outputs
+
+    def forward(
+        self,
+        aux_hidden: torch.Tensor,  # [B, L, m, H]
+        final_hidden: torch.Tensor,  # [B, L, H]
+        input_ids: torch.Tensor,  # [B, L] int64 (padding: anything)
+        loss_mask: torch.Tensor,  # [B, L] bool (padding: False)
+        teacher: TeacherHead,
+        ttt_steps: int,
+        step_loss_decay: float = 1.0,
+        denominators: list[float] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The TTT loss: sum over steps k of decay**k * (sum of the step's forward KL) divided by
+        ``denominators[k]`` (the number of counted positions of step k in the whole global batch,
+        so that any split of a batch over micro-batches and processes gives the same gradient;
+        by default this micro-batch's own count).
+
+        Returns the loss and summed statistics per step: ``kl`` [S], ``correct`` [S] (draft top-1
+        equals the teacher's top-1), ``count`` [S].
+        """
+        outputs = self.unroll(aux_hidden, input_ids, ttt_steps)
+        B, L = input_ids.shape
+        n = L - 1
+        mask = loss_mask.bool()
+
+        # The teacher at position p is needed when x_{p+1} is counted (for some step).
+        needed = torch.zeros_like(mask)
+        needed[:, 1 : L - 1] = mask[:, 2:L]
+        teacher_lp = teacher.log_probs(final_hidden[needed])  # [N, K]
+        row_of = torch.full((B, L), -1, dtype=torch.long, device=mask.device)
+        row_of[needed] = torch.arange(teacher_lp.shape[0], device=mask.device)
+
+        loss = outputs[0].new_zeros((), dtype=torch.float32)
+        stats = {key: torch.zeros(ttt_steps, dtype=torch.float64) for key in STAT_KEYS}
+        for k, r in enumerate(outputs):
+            counted = shift_left(mask, 2 + k, n)  # x_{t+2+k} is an assistant token
+            b, t = counted.nonzero(as_tuple=True)
+            target = teacher_lp[row_of[b, t + 1 + k]]
+            draft_lp = F.log_softmax(self.lm_head(self.norm(r[b, t])).float(), dim=-1)
+            kl = (target.exp() * (target - draft_lp)).sum(-1)
+            denominator = denominators[k] if denominators is not None else max(len(b), 1)
+            loss = loss + step_loss_decay**k * kl.sum() / max(denominator, 1)
+            with torch.no_grad():
+                stats["kl"][k] = kl.sum().double().cpu()
+                stats["correct"][k] = (draft_lp.argmax(-1) == target.argmax(-1)).sum().cpu()
+                stats["count"][k] = len(b)
+        return loss, stats
+
+
+def shift_left(x: torch.Tensor, by: int, n: int) -> torch.Tensor:
+    """x[:, by : by+n], padded on the right with zeros (False) to length n."""
+    out = x[:, by : by + n]
+    if out.shape[1] < n:
+        out = torch.cat([out, out.new_zeros(x.shape[0], n - out.shape[1])], dim=1)
+    return out
+
+
+def param_count(model: nn.Module, trainable_only: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
