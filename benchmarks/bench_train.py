@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         memory_rate = statistics.median(results["memory"])
         print(
             f"\ntraining tokens/s (median of {args.rounds} blocks of {block} steps, "
-            f"{plan.micro_per_step} micro-batch(es) of <= {p.micro_batch_budget_tokens} tokens):"
+            f"{plan.micro_per_step} micro-batch(es) of <= {p.micro_batch_budget_tokens} tokens, "
+            f"{torch.get_num_threads()} compute thread(s)):"
         )
         print(f"  from shards (memory-mapped, background loader): {shards_rate:9.0f}")
         print(f"  from tensors in memory:                         {memory_rate:9.0f}")

@@ -234,22 +234,39 @@ class TrainParams(StageParams):
     )
     epochs: int = Field(10, ge=1, description="Passes over the training split.")
     micro_batch_budget_tokens: int = Field(
-        8192, ge=16, description="Tokens per micro-batch per process (samples are packed)."
+        8192,
+        ge=16,
+        description="Most tokens per micro-batch and process, padding included (rows x longest "
+        "sample; samples of similar length are batched together). Longer samples are cut.",
     )
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step and process; a global batch is processes "
+        "x this many micro-batches.",
+    )
     learning_rate: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(100, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, x peak.")
     grad_clip_norm: float = Field(1.0, gt=0, description="Gradient clipping max norm.")
     validation_fraction: float = Field(
-        0.05, ge=0, lt=1, description="Share of samples held out for validation."
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of samples held out (a seeded split), scored at every checkpoint and "
+        "at the end.",
     )
-    checkpoint_every_steps: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
+    checkpoint_every_steps: int = Field(
+        200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
+    )
     log_every_steps: int = Field(10, ge=1, description="Optimizer steps between log lines.")
     num_gpus: int = Field(0, ge=0, description="GPUs for torchrun DDP; 0 trains on the CPU.")
     num_cpu_processes: int = Field(
-        1, ge=1, description="CPU-only: DDP processes (gloo) when num_gpus is 0."
+        1,
+        ge=1,
+        description="CPU only (num_gpus 0): DDP processes (gloo) under torchrun, sharing the "
+        "cores.",
     )
     num_speculative_tokens: int = Field(
         3, ge=1, description="Speculative tokens written into the checkpoint's proposal method."
