@@ -6,21 +6,28 @@
 configfile: "config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/vocab.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:
+    """Default target: the draft checkpoint and its evaluation."""
     default_target: True
     input:
-        rules.vocab.output,
+        rules.train.output.draft,
+        rules.evaluate_draft.output,
 
 
 rule vocab_map:
+    """Target: the draft vocabulary map (and the tokenized data before it)."""
     input:
         rules.vocab.output,
 
@@ -35,3 +42,10 @@ rule draft_ckpt:
     """Target: the trained EAGLE-3 draft (speculators format; vLLM serves it as eagle3)."""
     input:
         rules.train.output.draft,
+
+
+rule evaluate:
+    """Target: the draft evaluated under vLLM speculative decoding, and the config in force."""
+    input:
+        rules.evaluate_draft.output,
+        rules.resolved_config.output,

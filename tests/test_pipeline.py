@@ -1,0 +1,108 @@
+"""The whole workflow on the embedded default, end to end with real vLLM: extraction, training,
+evaluation and the report; then what a dry-run plans after real edits of a built workflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.workflow_runner import copy_workflow, planned, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, demo_build):
+    """A copy of the workflow, given the session's demo verifier and data as if they were the
+    user's, built to the `evaluate` target with the default config."""
+    work = tmp_path_factory.mktemp("pipeline")
+    config = {
+        "verifier": str(demo_build["verifier"]),
+        "chat_data": str(demo_build["chat_data"]),
+        "eval_prompts": str(demo_build["eval_prompts"]),
+    }
+    copy_workflow(work, config)
+    snakemake(work, "--cores", "2", "evaluate")
+    return work, config
+
+
+def test_evaluation_results(pipeline):
+    work, _ = pipeline
+    results = json.loads((work / "results" / "evaluate" / "results.json").read_text())
+    eagle, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
+    assert results["num_prompts"] == 48 and results["num_speculative_tokens"] == 3
+    # a trained draft on the predictable demo verifier is accepted most of the time
+    assert eagle["mean_acceptance_length"] >= 2.5, results["summary"]
+    assert len(eagle["acceptance_rate_per_position"]) == 3
+    assert all(0 <= r <= 1 for r in eagle["acceptance_rate_per_position"])
+    assert eagle["num_drafts"] > 0 and ngram["num_drafts"] > 0
+    assert results["runs"]["baseline"]["output_tokens_per_s"] > 0
+    # speculation is lossless at temperature 0: identical outputs, or the mismatch is listed
+    assert results["greedy_lossless"] == (not any(results["greedy_mismatches"].values()))
+    for name in ("acceptance_per_position", "draft_vs_ngram", "training_curves"):
+        png = work / "results" / "evaluate" / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_report(pipeline, tmp_path):
+    work, _ = pipeline
+    report = work / "report.zip"
+    snakemake(work, "evaluate", "--report", str(report))
+    import zipfile
+
+    names = zipfile.ZipFile(report).namelist()
+    for expected in ("acceptance_per_position.png", "results.json", "config.resolved.yaml",
+                     "stats.json"):
+        assert any(n.endswith(expected) for n in names), (expected, names)
+
+
+def test_nothing_is_redone(pipeline):
+    work, _ = pipeline
+    assert planned(work, "evaluate") == {}
+
+
+def with_config(work: Path, config: dict, **changes) -> dict:
+    new = {**config, **changes}
+    write_config(work, new)
+    return new
+
+
+def test_training_change_reruns_training_only(pipeline):
+    work, config = pipeline
+    try:
+        with_config(work, config, train={"epochs": 2})
+        assert planned(work, "evaluate") == {"train": 1, "evaluate_draft": 1, "resolved_config": 1}
+        assert planned(work, "draft_ckpt") == {"train": 1}
+    finally:
+        write_config(work, config)
+
+
+def test_vocab_change_reruns_vocab_and_training_not_extraction(pipeline):
+    work, config = pipeline
+    try:
+        with_config(work, config, vocab={"draft_vocab_size": 256})
+        assert planned(work, "draft_ckpt") == {"vocab": 1, "train": 1}
+    finally:
+        write_config(work, config)
+
+
+def test_extraction_change_reruns_extraction_and_training(pipeline):
+    work, config = pipeline
+    try:
+        with_config(work, config, extract={"aux_layer_ids": [1, 3, 5]})
+        assert planned(work, "draft_ckpt") == {"extract": 1, "extract_merge": 1, "train": 1}
+    finally:
+        write_config(work, config)
+
+
+def test_training_code_change_reruns_training(pipeline):
+    work, _ = pipeline
+    path = work / "workflow_scripts" / "draft_model.py"
+    original = path.read_text()
+    path.write_text(original + "\n# edited\n")
+    try:
+        assert planned(work, "draft_ckpt") == {"train": 1}
+    finally:
+        path.write_text(original)

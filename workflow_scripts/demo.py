@@ -1,0 +1,490 @@
+"""demo: the embedded default, built offline: chat data, a tokenizer and a tiny Llama verifier.
+
+1. Generates ``chat_data.jsonl`` (rule-based multi-turn conversations, see ``demo_data``) and
+   ``eval_prompts.jsonl`` (held-out prompts with their expected answers under ``reference``).
+2. Trains a byte-level BPE tokenizer on the data with Llama-3 special tokens and chat template.
+3. Trains a small ``LlamaForCausalLM`` on the assistant tokens (the same mask that ``prepare``
+   builds), with conversations packed into rows, and checks it by greedy generation on the
+   held-out prompts (the accuracy is logged and written to ``demo_report.json``).
+4. Writes the verifier directory (float32 safetensors, config, generation config, tokenizer)
+   under a temporary name and renames it when complete.
+
+The same seed gives byte-identical data and tokenizer files on any machine, and an identical
+verifier directory on the same kind of CPU with the same software versions (on this project's
+machines, also with 1 or 2 threads). The verifier trains on the first train_steps x train_batch_size_samples
+conversations of the generator's stream, which begins with chat_data and goes on with fresh
+conversations (with the defaults, eight times as many as chat_data holds), so that it learns the
+rules rather than the examples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+from workflow_scripts import cli
+from workflow_scripts.common import UserError, atomic_path, format_seconds, run_main, write_json
+from workflow_scripts.demo_data import (
+    dumps_jsonl,
+    generate_conversations,
+    generate_eval_prompts,
+    iter_conversations,
+)
+
+log = logging.getLogger("eagle3")
+
+BEGIN_OF_TEXT = "<|begin_of_text|>"
+END_OF_TEXT = "<|end_of_text|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+EOT = "<|eot_id|>"
+SPECIAL_TOKENS = [BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT]
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+# Llama 3's pre-tokenization: words with one leading non-letter, digits in groups of up to three,
+# runs of punctuation, newlines kept together.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+MAX_POSITION_EMBEDDINGS = 2048
+PACK_ROW_TOKENS = 256  # conversations are packed into rows of at least this many tokens
+WARMUP_FRACTION = 0.05
+MIN_LR_RATIO = 0.05
+WEIGHT_DECAY = 0.0
+PROMPT_LOSS_WEIGHT = 0.0  # loss weight of non-assistant tokens
+GRAD_CLIP_NORM = 1.0
+LOG_INTERVAL_S = 5.0
+EVAL_MAX_NEW_TOKENS = 96
+EVAL_BATCH_PROMPTS = 64
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(rows: list[dict], vocab_size: int):
+    """A byte-level BPE tokenizer trained on the conversations, as a transformers fast
+    tokenizer with Llama-3 special tokens (appended after the learnt vocabulary) and template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+
+    def texts():
+        for row in rows:
+            for msg in row["messages"]:
+                yield f"{msg['role']}\n\n{msg['content']}"
+
+    tok.train_from_iterator(texts(), trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BEGIN_OF_TEXT,
+        eos_token=EOT,
+        pad_token=END_OF_TEXT,
+        add_bos_token=False,
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tokenizer(tokenizer, out_dir: Path) -> None:
+    """Saves the tokenizer with its chat template inside tokenizer_config.json (the place every
+    loader looks), not in a separate file."""
+    import json
+
+    tokenizer.save_pretrained(out_dir)
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    jinja = out_dir / "chat_template.jinja"
+    if jinja.exists():
+        jinja.unlink()
+
+
+# --------------------------------------------------------------------------- training data
+
+
+def encode_conversation(tokenizer, row: dict) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a conversation, with the mask ``prepare`` builds."""
+    from workflow_scripts.chat import tokenize_conversation
+
+    sample = tokenize_conversation(tokenizer, row["messages"], MAX_POSITION_EMBEDDINGS)
+    if sample.truncated:
+        raise UserError(f"demo conversation {row['id']} exceeds {MAX_POSITION_EMBEDDINGS} tokens")
+    return sample.input_ids, sample.loss_mask
+
+
+def pack_batch(samples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Packs conversations into rows (first fit, longest first) of at least PACK_ROW_TOKENS
+    tokens. Positions restart at 0 for every conversation, which makes transformers attend only
+    within each conversation. Returns input_ids, position_ids and the loss weight of each
+    token as a target: 1 for assistant tokens, PROMPT_LOSS_WEIGHT for the rest, 0 for padding
+    and for the first token of each conversation."""
+    import torch
+
+    row_len = max(PACK_ROW_TOKENS, max(len(ids) for ids, _ in samples))
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    fill: list[int] = []
+    for ids, mask in sorted(samples, key=lambda s: -len(s[0])):
+        for r, used in enumerate(fill):
+            if used + len(ids) <= row_len:
+                rows[r].append((ids, mask))
+                fill[r] += len(ids)
+                break
+        else:
+            rows.append([(ids, mask)])
+            fill.append(len(ids))
+    width = max(fill)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    weights = torch.zeros((len(rows), width), dtype=torch.float32)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for ids, mask in row:
+            n = len(ids)
+            input_ids[r, at : at + n] = torch.tensor(ids)
+            w = torch.tensor(mask, dtype=torch.float32)
+            weights[r, at : at + n] = w + (1 - w) * PROMPT_LOSS_WEIGHT
+            weights[r, at] = 0.0
+            position_ids[r, at : at + n] = torch.arange(n)
+            at += n
+        # the padding is a sequence of its own (positions restart), so nothing attends to it
+        position_ids[r, at:] = torch.arange(width - at)
+    return input_ids, position_ids, weights
+
+
+# --------------------------------------------------------------------------- model
+
+
+def make_config(p, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BEGIN_OF_TEXT),
+        eos_token_id=[
+            tokenizer.convert_tokens_to_ids(EOT),
+            tokenizer.convert_tokens_to_ids(END_OF_TEXT),
+        ],
+        pad_token_id=tokenizer.convert_tokens_to_ids(END_OF_TEXT),
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def learning_rate(step: int, total: int, peak: float) -> float:
+    """Linear warm-up, then cosine decay to MIN_LR_RATIO x peak."""
+    warmup = max(1, int(total * WARMUP_FRACTION))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_verifier(p, tokenizer, conversations: Iterator[dict]):
+    """Trains the verifier on train_steps batches of train_batch_size_samples conversations,
+    taken in order from ``conversations``; returns the model and a report."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(p.seed)
+    model = LlamaForCausalLM(make_config(p, tokenizer)).float()
+    model.config.use_cache = False
+    model.train()
+    n_params = sum(t.numel() for t in model.parameters())
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=p.learning_rate, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.98)
+    )
+    pad_id = tokenizer.pad_token_id
+    batch = p.train_batch_size_samples
+    log.info(
+        "demo: training the verifier (%d parameters) for %d steps, %d conversations per step, "
+        "peak lr %g",
+        n_params,
+        p.train_steps,
+        batch,
+        p.learning_rate,
+    )
+    curve_every = max(1, p.train_steps // 20)  # the loss curve kept in the report
+    start = last_log = time.monotonic()
+    log_loss = log_count = curve_loss = curve_count = 0.0
+    tokens = assistant_tokens = 0
+    losses = []
+    for step in range(p.train_steps):
+        samples = [
+            encode_conversation(tokenizer, row) for row in itertools.islice(conversations, batch)
+        ]
+        tokens += sum(len(ids) for ids, _ in samples)
+        assistant_tokens += sum(sum(mask) for _, mask in samples)
+        input_ids, position_ids, weights = pack_batch(samples, pad_id)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, p.train_steps, p.learning_rate)
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        per_token = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            input_ids[:, 1:].reshape(-1),
+            reduction="none",
+        )
+        w = weights[:, 1:].reshape(-1)
+        loss = (per_token * w).sum() / w.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP_NORM)
+        optimizer.step()
+        value = loss.item()
+        log_loss, log_count = log_loss + value, log_count + 1
+        curve_loss, curve_count = curve_loss + value, curve_count + 1
+        now = time.monotonic()
+        done = step + 1
+        if done == 1 or done == p.train_steps or now - last_log >= LOG_INTERVAL_S:
+            elapsed = now - start
+            rate = done / elapsed
+            log.info(
+                "demo: step %d/%d (%.1f%%), loss %.4f, lr %.2e, %.2f steps/s, %.0f tokens/s, "
+                "ETA %s, elapsed %s",
+                done,
+                p.train_steps,
+                100 * done / p.train_steps,
+                log_loss / log_count,
+                optimizer.param_groups[0]["lr"],
+                rate,
+                tokens / elapsed,
+                format_seconds((p.train_steps - done) / rate),
+                format_seconds(elapsed),
+            )
+            last_log = now
+            log_loss = log_count = 0.0
+        if done % curve_every == 0 or done == p.train_steps:
+            losses.append({"step": done, "loss": round(curve_loss / curve_count, 6)})
+            curve_loss = curve_count = 0.0
+    model.eval()
+    log.info(
+        "demo: trained in %s on %d conversations, %d tokens (%d assistant tokens)",
+        format_seconds(time.monotonic() - start),
+        p.train_steps * batch,
+        tokens,
+        assistant_tokens,
+    )
+    # no timings here: the same seed gives the same report, byte for byte
+    return model, {
+        "parameters": n_params,
+        "conversations": p.train_steps * batch,
+        "tokens": tokens,
+        "assistant_tokens": assistant_tokens,
+        "final_loss": losses[-1]["loss"],
+        "loss_curve": losses,
+    }
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def greedy_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """Greedy answers of a transformers model, batched with left padding."""
+    import torch
+
+    answers = []
+    pad = tokenizer.pad_token_id
+    stop = [tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(END_OF_TEXT)]
+    for at in range(0, len(prompts), EVAL_BATCH_PROMPTS):
+        encoded = [prompt_ids(tokenizer, m) for m in prompts[at : at + EVAL_BATCH_PROMPTS]]
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=pad,
+            )
+        for row in out[:, width:].tolist():
+            ids = row[: next((i for i, t in enumerate(row) if t in stop), len(row))]
+            answers.append(tokenizer.decode(ids, skip_special_tokens=True).strip())
+    return answers
+
+
+def evaluate(model, tokenizer, eval_rows: list[dict]) -> dict:
+    # an answer longer than its reference (and the end of turn) cannot be right
+    longest = max(
+        len(tokenizer(r["reference"], add_special_tokens=False)["input_ids"]) for r in eval_rows
+    )
+    answers = greedy_answers(
+        model, tokenizer, [r["messages"] for r in eval_rows], min(EVAL_MAX_NEW_TOKENS, longest + 2)
+    )
+    right: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    wrong = []
+    for row, answer in zip(eval_rows, answers):
+        total[row["family"]] += 1
+        if answer == row["reference"]:
+            right[row["family"]] += 1
+        elif len(wrong) < 10:
+            wrong.append(
+                {
+                    "prompt": row["messages"][-1]["content"],
+                    "answer": answer,
+                    "reference": row["reference"],
+                }
+            )
+    return {
+        "held_out_prompts": len(eval_rows),
+        "exact_match": sum(right.values()) / max(1, len(eval_rows)),
+        "exact_match_by_family": {f: right[f] / total[f] for f in sorted(total)},
+        "examples_wrong": wrong,
+    }
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def write_verifier(model, tokenizer, out_dir: Path, report: dict) -> None:
+    """Writes the verifier directory under a temporary sibling name, then renames it."""
+    import json
+
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with atomic_path(out_dir) as tmp:
+        model.config.use_cache = True
+        model.save_pretrained(tmp, safe_serialization=True)
+        # older readers look for torch_dtype, newer ones for dtype
+        config = json.loads((tmp / "config.json").read_text())
+        config["torch_dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        GenerationConfig(
+            bos_token_id=model.config.bos_token_id,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.pad_token_id,
+        ).save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
+        write_json(tmp / "demo_report.json", report)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(dumps_jsonl(rows), encoding="utf-8")
+
+
+def main() -> None:
+    io, p = cli.parse("demo")
+    # Threads that wait passively: with active waiting (the OpenMP default), a CPU shared with
+    # other jobs made training several times slower than with one thread.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    for path in (io.verifier, io.chat_data, io.eval_prompts):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise UserError(f"cannot write {path}: {path.parent} is not writable")
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    t0 = time.monotonic()
+    log.info(
+        "demo: seed %d, %d conversations, %d held-out prompts, %d threads",
+        p.seed,
+        p.num_conversations,
+        p.num_eval_prompts,
+        threads,
+    )
+
+    rows = generate_conversations(p.seed, p.num_conversations)
+    try:
+        eval_rows = generate_eval_prompts(p.seed, p.num_eval_prompts)
+    except ValueError as exc:
+        raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
+    tokenizer = build_tokenizer(rows, p.tokenizer_vocab_size)
+    log.info(
+        "demo: generated the data and a tokenizer of %d tokens in %.1fs",
+        len(tokenizer),
+        time.monotonic() - t0,
+    )
+
+    # The verifier learns the rules from the generator's stream of conversations, which begins
+    # with chat_data and goes on with fresh ones, so that it generalises instead of memorising.
+    # None of them contains a held-out prompt.
+    model, train_report = train_verifier(p, tokenizer, iter_conversations(p.seed))
+    eval_report = evaluate(model, tokenizer, eval_rows)
+    log.info(
+        "demo: held-out prompts answered exactly right: %.1f%% of %d; by family: %s",
+        100 * eval_report["exact_match"],
+        len(eval_rows),
+        ", ".join(f"{f} {v:.0%}" for f, v in eval_report["exact_match_by_family"].items()),
+    )
+    for bad in eval_report["examples_wrong"][:5]:
+        log.info(
+            "demo: wrong: %r -> %r (expected %r)", bad["prompt"], bad["answer"], bad["reference"]
+        )
+
+    report = {
+        "params": p.model_dump(),
+        "train": train_report,
+        "eval": eval_report,
+    }
+    write_jsonl(io.chat_data, rows)
+    write_jsonl(io.eval_prompts, eval_rows)
+    write_verifier(model, tokenizer, io.verifier, report)
+    log.info(
+        "demo: done in %s: %s, %s, %s",
+        format_seconds(time.monotonic() - t0),
+        io.verifier,
+        io.chat_data,
+        io.eval_prompts,
+    )
+
+
+if __name__ == "__main__":
+    run_main(main)
