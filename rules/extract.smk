@@ -53,7 +53,7 @@ rule extract_merge:
         ),
         code=stage_code("extract_merge"),
     output:
-        manifest=EXTRACT / "manifest.json",
+        manifest=report(EXTRACT / "manifest.json", category="Extraction"),
     log:
         LOGS / "extract_merge.log",
     conda:

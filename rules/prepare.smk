@@ -6,7 +6,7 @@ rule prepare:
         code=stage_code("prepare"),
     output:
         tokenized=RESULTS / "prepare" / "tokenized_data.jsonl",
-        stats=RESULTS / "prepare" / "stats.json",
+        stats=report(RESULTS / "prepare" / "stats.json", category="Data"),
     log:
         LOGS / "prepare.log",
     conda:

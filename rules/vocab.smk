@@ -6,7 +6,7 @@ rule vocab:
         code=stage_code("vocab"),
     output:
         vocab_map=RESULTS / "vocab" / "vocab_map.safetensors",
-        stats=RESULTS / "vocab" / "stats.json",
+        stats=report(RESULTS / "vocab" / "stats.json", category="Data"),
     log:
         LOGS / "vocab.log",
     conda:

@@ -13,7 +13,15 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ("Snakefile", "rules", "workflow_scripts", "config.yaml", "envs", "profiles")
+WORKFLOW_FILES = (
+    "Snakefile",
+    "rules",
+    "workflow_scripts",
+    "config.yaml",
+    "envs",
+    "profiles",
+    "report",
+)
 # target rules: they only gather outputs, and are left out of what a plan is said to run
 TARGET_RULES = {"all", "vocab_map", "hidden_states", "draft_ckpt", "evaluate"}
 
