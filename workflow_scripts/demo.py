@@ -69,6 +69,7 @@ PACK_ROW_TOKENS = 256  # conversations are packed into rows of at least this man
 WARMUP_FRACTION = 0.05
 MIN_LR_RATIO = 0.05
 WEIGHT_DECAY = 0.0
+ADAM_BETAS = (0.9, 0.98)
 PROMPT_LOSS_WEIGHT = 0.0  # loss weight of non-assistant tokens
 GRAD_CLIP_NORM = 1.0
 LOG_INTERVAL_S = 5.0
@@ -235,7 +236,7 @@ def train_verifier(p, tokenizer, conversations: Iterator[dict]):
     model.train()
     n_params = sum(t.numel() for t in model.parameters())
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=p.learning_rate, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.98)
+        model.parameters(), lr=p.learning_rate, weight_decay=WEIGHT_DECAY, betas=ADAM_BETAS
     )
     pad_id = tokenizer.pad_token_id
     batch = p.train_batch_size_samples

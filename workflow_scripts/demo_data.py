@@ -251,6 +251,7 @@ def task_capital(rng: random.Random) -> Task:
 
 
 def _successors(rng: random.Random, items: list[str], unit: str, family: str) -> Task:
+    """The next one to four items of a cycle (the answer names only what comes next)."""
     i = rng.randrange(len(items))
     k = rng.randint(1, 4)
     nxt = [items[(i + j) % len(items)] for j in range(1, k + 1)]
@@ -263,7 +264,7 @@ def _successors(rng: random.Random, items: list[str], unit: str, family: str) ->
             ]
         ).format(x=items[i])
         after = items[(i + 2) % len(items)]
-        answer = f"The {unit} after {items[i]} is {nxt[0]}, and the {unit} after that is {after}."
+        answer = f"The next {unit} is {nxt[0]}, and the {unit} after that is {after}."
     else:
         user = rng.choice(
             [
@@ -272,7 +273,7 @@ def _successors(rng: random.Random, items: list[str], unit: str, family: str) ->
                 f"List the next {{k}} {unit}s after {{x}}.",
             ]
         ).format(k=NUMBER_WORDS[k], x=items[i])
-        answer = f"The {NUMBER_WORDS[k]} {unit}s after {items[i]} are {_join_and(nxt)}."
+        answer = f"The next {NUMBER_WORDS[k]} {unit}s are {_join_and(nxt)}."
     return Task(family, user, answer)
 
 
@@ -327,8 +328,8 @@ FAMILY_WEIGHTS = {
     "animal": 1,
     "colour": 1,
     "capital": 1,
-    "days": 1,
-    "months": 1,
+    "days": 2,
+    "months": 2,
     "story": 2,
 }
 
