@@ -8,7 +8,8 @@ same steps fed from tensors already in memory, in one run. Prints tokens/s of bo
     .venv/bin/python benchmarks/bench_train.py --manifest M --vocab-map V --verifier DIR
 
 The two feeds alternate in blocks of the same steps (same shapes, same tokens), so load from
-other processes on the machine falls on both alike.
+other processes on the machine falls on both alike; the headline compares each feed's best
+block (the least disturbed), the median is printed beside it.
 """
 
 from __future__ import annotations
@@ -129,9 +130,14 @@ def main(argv=None) -> int:
     parser.add_argument("--synthetic", action="store_true", help="random demo-sized shards")
     parser.add_argument("--micro-batch-budget-tokens", type=int, default=4096)
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--steps-per-block", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4, help="shard/memory block pairs")
+    parser.add_argument("--steps-per-block", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8, help="shard/memory block pairs")
     parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument(
+        "--background",
+        action="store_true",
+        help="read on a background thread also on the CPU (training does so on GPUs only)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -166,7 +172,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"only {plan.total_steps} steps of data; {needed} needed")
 
         def from_shards(first: int):
-            return train.Loader(index, plan, first, first + block, 0, 1, torch.float32, pin=False)
+            return train.Loader(
+                index, plan, first, first + block, 0, 1, torch.float32, False, args.background
+            )
 
         def in_memory(first: int):
             return [from_shards(first).load(s) for s in range(first, first + block)]
@@ -182,16 +190,22 @@ def main(argv=None) -> int:
                 tokens, seconds = timed(trainer, source)
                 results[mode].append(tokens / seconds)
                 print(f"round {r + 1} {mode:>6}: {tokens / seconds:9.0f} tokens/s", flush=True)
-        shards_rate = statistics.median(results["shards"])
-        memory_rate = statistics.median(results["memory"])
+        best = {mode: max(rates) for mode, rates in results.items()}
+        median = {mode: statistics.median(rates) for mode, rates in results.items()}
         print(
-            f"\ntraining tokens/s (median of {args.rounds} blocks of {block} steps, "
+            f"\ntraining tokens/s, best (median) of {args.rounds} blocks of {block} steps; "
             f"{plan.micro_per_step} micro-batch(es) of <= {p.micro_batch_budget_tokens} tokens, "
-            f"{torch.get_num_threads()} compute thread(s)):"
+            f"{torch.get_num_threads()} compute thread(s):"
         )
-        print(f"  from shards (memory-mapped, background loader): {shards_rate:9.0f}")
-        print(f"  from tensors in memory:                         {memory_rate:9.0f}")
-        print(f"  ratio: {shards_rate / memory_rate:.3f} (target >= 0.9)")
+        how = "a background thread" if args.background else "read when due"
+        print(
+            f"  from shards (memory-mapped, {how}): {best['shards']:.0f} ({median['shards']:.0f})"
+        )
+        print(f"  from tensors in memory: {best['memory']:.0f} ({median['memory']:.0f})")
+        print(
+            f"  ratio: {best['shards'] / best['memory']:.3f} "
+            f"(median {median['shards'] / median['memory']:.3f}; target >= 0.9)"
+        )
     return 0
 
 

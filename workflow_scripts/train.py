@@ -509,12 +509,17 @@ class StepData:
 
 
 class Loader:
-    """Reads this process's micro-batches of steps ``start..stop`` from the memory-mapped shards
-    on a background thread, a few steps ahead of training (``load`` reads one step directly)."""
+    """This process's micro-batches of steps ``start..stop``, read from the memory-mapped shards.
+    With ``background`` a thread reads a few steps ahead: for GPUs, whose host cores are idle
+    meanwhile. Without, each step is read when it is due: on the CPU the cores a reader thread
+    would use are the ones computing (reading is ~1% of a step there; a thread preempting the
+    compute threads costs more)."""
 
-    def __init__(self, index, plan, start, stop, rank, accum, dtype, pin: bool, ahead: int = 2):
+    def __init__(
+        self, index, plan, start, stop, rank, accum, dtype, pin: bool, background: bool, ahead=2
+    ):
         self.index, self.plan, self.rank, self.accum = index, plan, rank, accum
-        self.dtype, self.pin = dtype, pin
+        self.dtype, self.pin, self.background = dtype, pin, background
         self.start, self.stop = start, stop
         self.queue: queue.Queue = queue.Queue(maxsize=ahead)
         self.thread = threading.Thread(target=self._run, daemon=True)  # started by iterating
@@ -535,6 +540,9 @@ class Loader:
             self.queue.put(exc)
 
     def __iter__(self) -> Iterator[StepData]:
+        if not self.background:
+            yield from (self.load(step) for step in range(self.start, self.stop))
+            return
         self.thread.start()
         for _ in range(self.start, self.stop):
             item = self.queue.get()
@@ -904,6 +912,7 @@ class Trainer:
             p.grad_accum_steps,
             self.data_dtype,
             pin=d.device.type == "cuda",
+            background=d.device.type == "cuda",
         )
         started = last = time.monotonic()
         first_step = self.step
