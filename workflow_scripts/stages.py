@@ -38,7 +38,7 @@ class DemoParams(StageParams):
 
     seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
     num_conversations: int = Field(
-        1200, ge=10, description="Multi-turn training conversations to generate."
+        1200, ge=10, description="Multi-turn conversations written to chat_data.jsonl."
     )
     num_eval_prompts: int = Field(
         48, ge=1, description="Held-out prompts (not in the training data) for evaluation."
@@ -51,9 +51,15 @@ class DemoParams(StageParams):
     num_attention_heads: int = Field(2, ge=1, description="Verifier attention heads.")
     num_key_value_heads: int = Field(1, ge=1, description="Verifier key/value heads (GQA).")
     intermediate_size: int = Field(384, ge=16, description="Verifier MLP width.")
-    train_steps: int = Field(600, ge=1, description="Optimizer steps to train the verifier.")
+    train_steps: int = Field(
+        1200,
+        ge=1,
+        description="Optimizer steps to train the verifier. Each step takes the next "
+        "train_batch_size_samples conversations of the generator's stream, which begins with "
+        "chat_data and goes on with fresh ones (the verifier learns the rules, not the examples).",
+    )
     train_batch_size_samples: int = Field(
-        16, ge=1, description="Conversations per verifier training step."
+        8, ge=1, description="Conversations per verifier training step (packed into rows)."
     )
     learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
 
