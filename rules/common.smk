@@ -28,10 +28,24 @@ VERIFIER_DIR = Path(CFG.verifier) if CFG.verifier else DEMO / "verifier"
 VERIFIER_CONFIG = VERIFIER_DIR / "config.json"
 CHAT_DATA = Path(CFG.chat_data) if CFG.chat_data else DEMO / "chat_data.jsonl"
 EVAL_PROMPTS = Path(CFG.eval_prompts) if CFG.eval_prompts else DEMO / "eval_prompts.jsonl"
+# the verifier's weight files are inputs of the stages that run it: new weights, new outputs
+VERIFIER_WEIGHTS = (
+    sorted(
+        str(path)
+        for pattern in ("*.safetensors", "pytorch_model*.bin")
+        for path in VERIFIER_DIR.glob(pattern)
+    )
+    if CFG.verifier
+    else [DEMO / "verifier" / "model.safetensors"]
+)
+# what prepare tokenizes: chat_data, or the verifier's own answers to it (regenerate.enabled)
+REGENERATED_CHAT_DATA = RESULTS / "regenerate" / "chat_data.jsonl"
+PREPARE_CHAT_DATA = REGENERATED_CHAT_DATA if CFG.regenerate.enabled else CHAT_DATA
 
 # The code each stage runs: listed as rule input, so that editing it reruns the stage.
 STAGE_CODE = {
     "demo": ["demo.py", "demo_data.py"],
+    "regenerate": ["regenerate.py", "chat.py"],
     "prepare": ["prepare.py", "chat.py"],
     "vocab": ["vocab.py"],
     "extract": [

@@ -5,16 +5,6 @@
 EXTRACT = RESULTS / "extract"
 EXTRACT_SHARDS = EXTRACT / "shards"
 EXTRACT_GPUS = CFG.extract.tensor_parallel_size if CFG.extract.use_gpus else 0
-# the verifier's weight files are inputs too: new weights, new hidden states
-EXTRACT_WEIGHTS = (
-    sorted(
-        str(path)
-        for pattern in ("*.safetensors", "pytorch_model*.bin")
-        for path in VERIFIER_DIR.glob(pattern)
-    )
-    if CFG.verifier
-    else [DEMO / "verifier" / "model.safetensors"]
-)
 
 
 rule extract:
@@ -22,7 +12,7 @@ rule extract:
     input:
         tokenized=rules.prepare.output.tokenized,
         verifier_config=VERIFIER_CONFIG,
-        weights=EXTRACT_WEIGHTS,
+        weights=VERIFIER_WEIGHTS,
         code=stage_code("extract"),
     output:
         part=EXTRACT / "parts" / "part_{job_index}.json",

@@ -1,7 +1,7 @@
 rule prepare:
     """Chat data -> tokenized_data.jsonl (chat template applied, assistant-only loss mask)."""
     input:
-        chat_data=CHAT_DATA,
+        chat_data=PREPARE_CHAT_DATA,
         verifier_config=VERIFIER_CONFIG,
         code=stage_code("prepare"),
     output:

@@ -103,3 +103,16 @@ def test_bad_config_fails_dry_run_naming_the_key(built):
         assert "did you mean 'prepare.max_seq_len_tokens'" in proc.stdout + proc.stderr
     finally:
         write_config(work, config)
+
+
+def test_regenerate_switch_plans_regenerate_then_prepare(built):
+    """Switching regenerate on puts it before prepare; while it is off, its settings rerun
+    nothing."""
+    work, config = built
+    write_config(work, {**config, "regenerate": {"enabled": True, "use_gpus": False}})
+    try:
+        assert planned(work, "vocab_map") == {"regenerate": 1, "prepare": 1, "vocab": 1}
+        write_config(work, {**config, "regenerate": {"enabled": False, "temperature": 0.7}})
+        assert planned(work, "vocab_map") == {}
+    finally:
+        write_config(work, config)

@@ -114,3 +114,22 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: in
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: the special token the chat template puts right
+    after an assistant message (``<|eot_id|>``, ``<|im_end|>``, ...) and the tokenizer's eos."""
+    marker = "Zq9 marker"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = set()
+    after = text[text.rfind(marker) + len(marker) :]
+    enc = tokenizer(after, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    for tok in enc:
+        if tok in special:
+            ids.add(tok)
+            break
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

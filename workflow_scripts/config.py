@@ -20,6 +20,7 @@ from workflow_scripts.stages import (
     EvaluateParams,
     ExtractParams,
     PrepareParams,
+    RegenerateParams,
     TrainParams,
     VocabParams,
 )
@@ -47,6 +48,7 @@ class WorkflowConfig(BaseModel):
     )
     results_dir: str = Field("results", description="Where every output of the workflow goes.")
     demo: DemoParams = Field(default_factory=DemoParams)
+    regenerate: RegenerateParams = Field(default_factory=RegenerateParams)
     prepare: PrepareParams = Field(default_factory=PrepareParams)
     vocab: VocabParams = Field(default_factory=VocabParams)
     extract: ExtractParams = Field(default_factory=ExtractParams)

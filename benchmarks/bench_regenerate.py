@@ -1,0 +1,137 @@
+"""Self-distillation, measured: the acceptance length of a draft trained on the chat data as it
+is, against drafts trained on the verifier's own answers (the regenerate stage), side by side in
+one run of the real workflow on the embedded default.
+
+    .venv/bin/python benchmarks/bench_regenerate.py                       # greedy answers
+    .venv/bin/python benchmarks/bench_regenerate.py --temperatures 0 1.0  # and sampled ones
+    .venv/bin/python benchmarks/bench_regenerate.py --configfile my.yaml  # another setup
+
+Each variant is a Snakemake run of the `evaluate` target in its own directory under --workdir.
+The first, with regenerate off, builds the embedded default (verifier, data, held-out prompts);
+the others name those files as verifier, chat_data and eval_prompts, so every variant trains the
+same way on the same conversations and is scored on the same prompts; only the assistant turns
+differ. Prints, per variant: how many answers differ from the data's, the mean acceptance length
+under vLLM (greedy, and at evaluate.sampled_temperature), and the ratio to the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snakemake(workdir: Path, configs: list[Path], cores: int) -> float:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "--snakefile", str(ROOT / "Snakefile"),
+        "--directory", str(workdir),
+        "--cores", str(cores),
+        "--configfile", *[str(c) for c in configs],
+        "evaluate",
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    print(f"$ {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"snakemake failed in {workdir}:\n{proc.stderr[-6000:]}")
+    return time.monotonic() - start
+
+
+def assistant_turns(path: Path) -> list[list[str]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [[m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=ROOT / "bench_regenerate")
+    ap.add_argument("--configfile", type=Path, default=ROOT / "config.yaml")
+    ap.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0],
+        help="regenerate.temperature of each regenerated variant",
+    )  # fmt: skip
+    ap.add_argument("--sampled-temperature", type=float, default=1.0,
+                    help="evaluate.sampled_temperature of every variant (besides greedy)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    common = {"evaluate": {"sampled_temperature": args.sampled_temperature}}
+
+    variants: dict[str, Path] = {}
+    seconds: dict[str, float] = {}
+    base = work / "original"
+    overlay = work / "original.yaml"
+    overlay.write_text(yaml.safe_dump({**common, "regenerate": {"enabled": False}}))
+    seconds["original"] = snakemake(base, [args.configfile.resolve(), overlay], args.cores)
+    variants["original"] = base
+    demo = base / "results" / "demo"
+    for t in args.temperatures:
+        name = f"regenerated_t{t:g}"
+        overlay = work / f"{name}.yaml"
+        overlay.write_text(
+            yaml.safe_dump(
+                {
+                    **common,
+                    "verifier": str(demo / "verifier"),
+                    "chat_data": str(demo / "chat_data.jsonl"),
+                    "eval_prompts": str(demo / "eval_prompts.jsonl"),
+                    "regenerate": {"enabled": True, "temperature": t},
+                }
+            )
+        )
+        seconds[name] = snakemake(work / name, [args.configfile.resolve(), overlay], args.cores)
+        variants[name] = work / name
+
+    original = assistant_turns(demo / "chat_data.jsonl")
+    rows = []
+    for name, path in variants.items():
+        res = json.loads((path / "results" / "evaluate" / "results.json").read_text())
+        runs = res["runs"]
+        sampled = next((k for k in runs if k.startswith("eagle3@")), None)
+        row = {
+            "variant": name,
+            "greedy": runs["eagle3"]["mean_acceptance_length"],
+            "sampled": runs[sampled]["mean_acceptance_length"] if sampled else None,
+            "seconds": seconds[name],
+        }
+        regen = path / "results" / "regenerate"
+        if (regen / "chat_data.jsonl").exists():
+            turns = assistant_turns(regen / "chat_data.jsonl")
+            pairs = [(a, b) for x, y in zip(original, turns) for a, b in zip(x, y)]
+            stats = json.loads((regen / "stats.json").read_text())
+            row["answers_changed"] = sum(a != b for a, b in pairs) / len(pairs)
+            row["regenerate_s"] = stats["seconds"]
+            row["generated_tokens"] = stats["generated_tokens"]
+            row["length_limited_turns"] = stats["length_limited_turns"]
+        rows.append(row)
+
+    first = rows[0]
+    print(f"\nacceptance length (k={res['num_speculative_tokens']}, {res['num_prompts']} held-out "
+          f"prompts; sampled at temperature {args.sampled_temperature:g}):")
+    print(f"{'variant':<20} {'changed':>8} {'greedy':>8} {'ratio':>6} {'sampled':>8} {'ratio':>6}")
+    for r in rows:
+        changed = f"{r['answers_changed']:.1%}" if "answers_changed" in r else "-"
+        sampled = r["sampled"] or float("nan")
+        print(
+            f"{r['variant']:<20} {changed:>8} {r['greedy']:>8.3f} {r['greedy'] / first['greedy']:>6.3f} "
+            f"{sampled:>8.3f} {sampled / (first['sampled'] or float('nan')):>6.3f}"
+        )
+    (work / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"\n{work / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()

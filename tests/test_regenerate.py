@@ -1,0 +1,398 @@
+"""regenerate: the verifier's own answers to the chat data's user turns, with real vLLM.
+
+Fast tests: where answers go, bad input found before the model loads, the batch files a restart
+reuses. Tests marked ``slow`` run the script on the full-size demo verifier (``demo_build``):
+the answers are the verifier's, limits are counted and flagged, a killed job resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import ROOT
+from tests.test_extract import release_shared_memory, shared_memory_of_session
+from tests.tokenizers_for_tests import build_chatml_tokenizer
+from workflow_scripts import cli, regenerate
+from workflow_scripts.chat import BadRow, end_of_turn_ids, tokenize_conversation
+from workflow_scripts.common import UserError
+from workflow_scripts.config import load_config
+
+S = {"role": "system", "content": "Be brief."}
+
+
+def U(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def A(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+# --------------------------------------------------------------------------- where answers go
+
+
+@pytest.mark.parametrize(
+    "messages, expected",
+    [
+        ([S, U("a"), A("x")], [S, U("a"), None]),
+        ([U("a"), A("x"), U("b"), A("y")], [U("a"), None, U("b"), None]),
+        # a last user turn gets an answer too
+        ([U("a"), A("x"), U("b")], [U("a"), None, U("b"), None]),
+        ([S, U("a")], [S, U("a"), None]),
+        # two user turns in a row: one answer, after the second
+        ([U("a"), U("b"), A("x")], [U("a"), U("b"), None]),
+        # an assistant message that follows no user turn is left out
+        ([A("hello"), U("a"), A("x"), A("more")], [U("a"), None]),
+    ],
+)
+def test_answer_plan(messages, expected):
+    assert regenerate.answer_plan(messages) == expected
+
+
+def test_conversation_without_user_turn_is_a_bad_row():
+    with pytest.raises(BadRow) as exc:
+        regenerate.answer_plan([S, A("x")])
+    assert exc.value.reason == "no_user_turn"
+
+
+def test_conversation_replays_plan_with_its_own_answers():
+    conv = regenerate.Conversation("c", 1, regenerate.answer_plan([S, U("a"), A("x"), U("b"), A("y")]))
+    assert conv.next_prompt() == [S, U("a")]
+    conv.messages.append(A("mine"))
+    assert conv.next_prompt() == [S, U("a"), A("mine"), U("b")]
+    conv.messages.append(A("mine too"))
+    assert conv.next_prompt() is None
+
+
+def test_context_full_ends_at_last_answer():
+    conv = regenerate.Conversation("c", 1, regenerate.answer_plan([U("a"), A("x"), U("b"), A("y")]))
+    conv.next_prompt()
+    conv.messages.append(A("mine"))
+    conv.next_prompt()  # [a, mine, b]: does not fit
+    conv.finish()
+    assert conv.messages == [U("a"), A("mine")] and conv.context_full
+
+
+def test_turn_seed_depends_on_seed_row_and_turn_only():
+    seeds = {regenerate.turn_seed(s, line, t) for s in (0, 1) for line in (1, 2) for t in (0, 1)}
+    assert len(seeds) == 8
+    assert regenerate.turn_seed(0, 5, 2) == regenerate.turn_seed(0, 5, 2)
+
+
+# --------------------------------------------------------------------------- before the model loads
+
+
+@pytest.fixture(scope="module")
+def chatml_verifier(tmp_path_factory):
+    """A ChatML tokenizer and a config; its weight file is a placeholder (never loaded here)."""
+    path = build_chatml_tokenizer(tmp_path_factory.mktemp("chatml") / "verifier")
+    vocab = len(AutoTokenizer.from_pretrained(path))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": vocab,
+            }
+        )
+    )
+    (path / "model.safetensors").write_bytes(b"never loaded by these tests")
+    return path
+
+
+def test_end_of_turn_ids_of_chatml(chatml_verifier):
+    tok = AutoTokenizer.from_pretrained(chatml_verifier)
+    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def args_for(verifier: Path, chat: Path, out: Path, **overrides) -> list[str]:
+    cfg = load_config(
+        {
+            "regenerate": {
+                "use_gpus": False,
+                "enforce_eager": True,
+                "dtype": "float32",
+                "max_model_len_tokens": 1024,
+                "kv_cache_memory_bytes": 1 << 28,
+                **overrides,
+            }
+        }
+    )
+    files = {
+        "chat_data": chat,
+        "verifier": verifier,
+        "work_dir": out / "batches",
+        "regenerated": out / "chat_data.jsonl",
+        "stats": out / "stats.json",
+    }
+    return shlex.split(cli.render("regenerate", cfg.regenerate, files))
+
+
+def main_error(monkeypatch, verifier: Path, chat: Path, tmp_path: Path, **overrides) -> str:
+    """Runs the script's main in-process; returns its UserError. The engine must not start."""
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was started before the input was checked")
+
+    monkeypatch.setattr(regenerate, "make_engine", no_engine)
+    monkeypatch.setattr(sys, "argv", ["regenerate", *args_for(verifier, chat, tmp_path, **overrides)])
+    with pytest.raises(UserError) as exc:
+        regenerate.main()
+    return str(exc.value)
+
+
+def write_chat(path: Path, lines: list) -> Path:
+    path.write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    )
+    return path
+
+
+GOOD = {"messages": [U("Count from 1 to 3."), A("1, 2, 3.")]}
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ({"messages": [{"role": "robot", "content": "beep"}]}, "role 'robot'"),
+        ({"messages": []}, "no messages"),
+        ({"messages": [S, A("x")]}, "no user turn"),
+        ({"text": "hello"}, "neither 'messages' nor 'conversations'"),
+    ],
+)
+def test_bad_row_fails_with_file_and_line_before_the_model_loads(
+    monkeypatch, chatml_verifier, tmp_path, bad, reason
+):
+    chat = write_chat(tmp_path / "chat.jsonl", [GOOD, GOOD, bad, GOOD])
+    msg = main_error(monkeypatch, chatml_verifier, chat, tmp_path)
+    assert f"{chat}:3" in msg and reason in msg and "regenerate.on_bad_row: skip" in msg, msg
+
+
+def test_bad_rows_skipped_and_counted_by_reason(tmp_path):
+    chat = write_chat(
+        tmp_path / "chat.jsonl",
+        [GOOD, "{not json", "", {"messages": [S, A("x")]}, {"conversations": [{"from": "human", "value": "hi"}]}],
+    )
+    index = regenerate.index_input(chat, "skip")
+    assert index.rows_in == 4  # the blank line is not a row
+    assert dict(index.bad) == {"malformed": 1, "no_user_turn": 1}
+    assert list(index.line_nos) == [1, 5]
+    with open(chat, "rb") as fh:
+        fh.seek(index.offsets[1])
+        assert json.loads(fh.readline())["conversations"][0]["value"] == "hi"
+
+
+def test_no_usable_row_and_missing_file_are_clear_errors(monkeypatch, chatml_verifier, tmp_path):
+    empty = write_chat(tmp_path / "empty.jsonl", [])
+    msg = main_error(monkeypatch, chatml_verifier, empty, tmp_path, on_bad_row="skip")
+    assert "no usable conversation among 0 rows" in msg
+    msg = main_error(monkeypatch, chatml_verifier, tmp_path / "nope.jsonl", tmp_path)
+    assert "does not exist" in msg and "chat_data" in msg
+
+
+def test_tensor_parallel_size_is_checked_before_the_model_loads(monkeypatch, chatml_verifier, tmp_path):
+    chat = write_chat(tmp_path / "chat.jsonl", [GOOD])
+    msg = main_error(monkeypatch, chatml_verifier, chat, tmp_path, tensor_parallel_size=3)
+    assert "regenerate.tensor_parallel_size 3 does not divide" in msg
+
+
+def test_restart_keeps_finished_batches_of_the_same_run_only(tmp_path):
+    work = tmp_path / "batches"
+    work.mkdir()
+    (work / "batch-000000.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+    (work / "batch-000001.json").write_text(json.dumps({"fingerprint": "other", "rows": []}))
+    (work / "batch-000002.json").write_text('{"fingerprint": "same", "ro')  # cut short
+    (work / "batch-000003.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+    (work / ".batch-000004.json.tmp-123").write_text("partial")
+    (work / "batch-000009.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+    done = regenerate.clean_work_dir(work, "same", num_batches=5)
+    assert done == [0, 3]
+    assert sorted(p.name for p in work.iterdir()) == ["batch-000000.json", "batch-000003.json"]
+
+
+# --------------------------------------------------------------------------- real vLLM
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_script(verifier: Path, chat: Path, out: Path, **overrides) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.regenerate", *args_for(verifier, chat, out, **overrides)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def demo_chat(demo_build, tmp_path_factory) -> Path:
+    """The first 24 demo conversations (1 to 3 turns each)."""
+    rows = read_jsonl(demo_build["chat_data"])[:24]
+    return write_chat(tmp_path_factory.mktemp("regen") / "chat.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def greedy(demo_build, demo_chat, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy")
+    proc = run_script(demo_build["verifier"], demo_chat, out, batch_size_samples=8)
+    return out, proc.stderr
+
+
+@pytest.mark.slow
+def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
+    from transformers import AutoModelForCausalLM
+
+    out, log = greedy
+    src, got = read_jsonl(demo_chat), read_jsonl(out / "chat_data.jsonl")
+    assert [r["id"] for r in got] == [r["id"] for r in src]
+    tok = AutoTokenizer.from_pretrained(demo_build["verifier"])
+    model = AutoModelForCausalLM.from_pretrained(demo_build["verifier"]).eval()
+    stops = end_of_turn_ids(tok)
+    for s, g in zip(src, got):
+        # system and user messages as they were, an assistant answer where there was one
+        assert [m["role"] for m in g["messages"]] == [m["role"] for m in s["messages"]]
+        assert [m for m in g["messages"] if m["role"] != "assistant"] == [
+            m for m in s["messages"] if m["role"] != "assistant"
+        ]
+        assert g["regenerate"]["turns"] == sum(m["role"] == "assistant" for m in s["messages"])
+        # each answer is the verifier's greedy continuation of the conversation so far (its own
+        # earlier answers included), as transformers computes it
+        for i, m in enumerate(g["messages"]):
+            if m["role"] != "assistant":
+                continue
+            ids = tok.apply_chat_template(g["messages"][:i], add_generation_prompt=True)
+            ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+            import torch
+
+            with torch.no_grad():
+                hf = model.generate(
+                    torch.tensor([ids]), max_new_tokens=256, do_sample=False,
+                    eos_token_id=stops, pad_token_id=tok.pad_token_id,
+                )
+            text = tok.decode([t for t in hf[0, len(ids):].tolist() if t not in stops], skip_special_tokens=True)
+            assert m["content"] == text.strip(), (g["id"], i)
+        # prepare reads the output like any chat data, with assistant tokens to learn
+        assert sum(tokenize_conversation(tok, g["messages"], 512).loss_mask) > 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["rows_in"] == stats["rows_out"] == 24
+    assert stats["turns"] == sum(r["regenerate"]["turns"] for r in got)
+    assert stats["length_limited_turns"] == 0 and stats["bad_rows"] == {}
+    assert stats["generated_tokens"] > 0 and stats["batches"] == 3
+    assert not (out / "batches").exists()  # finished batches are removed with success
+    assert "conversations/s" in log and "tokens/s" in log and "ETA" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_length_limits_are_counted_and_flagged(demo_build, demo_chat, tmp_path, policy):
+    """Short turns and a short engine: answers cut at max_new_tokens_per_turn are flagged (or
+    their conversations dropped), conversations that fill the engine end at their last answer,
+    and one whose first prompt is too long is a bad row (skipped here)."""
+    tok = AutoTokenizer.from_pretrained(demo_build["verifier"])
+    rows = read_jsonl(demo_chat)
+    long_row = {"id": "too-long", "messages": [U("word " * 400), A("x")]}
+    chat = write_chat(tmp_path / "chat.jsonl", rows + [long_row])
+    max_len, max_new = 72, 20
+    run_script(
+        demo_build["verifier"], chat, tmp_path, batch_size_samples=8, max_new_tokens_per_turn=max_new,
+        max_model_len_tokens=max_len, on_bad_row="skip", on_length_limit=policy,
+    )
+    got = read_jsonl(tmp_path / "chat_data.jsonl")
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["bad_rows"] == {"too_long": 1} and "too-long" not in {r["id"] for r in got}
+    flagged = [r for r in got if r["regenerate"]["length_limited_turns"]]
+    assert stats["length_limited_conversations"] > 0 and stats["context_full_conversations"] > 0
+    if policy == "keep":
+        assert len(flagged) == stats["length_limited_conversations"]
+        assert stats["rows_out"] == len(rows)
+    else:
+        assert not flagged and stats["dropped_length_limited"] == stats["length_limited_conversations"]
+        assert stats["rows_out"] == len(rows) - stats["dropped_length_limited"] == len(got)
+    for r in got:
+        answers = [m for m in r["messages"] if m["role"] == "assistant"]
+        assert r["messages"][-1]["role"] == "assistant" and len(answers) == r["regenerate"]["turns"]
+        for turn, m in enumerate(answers):
+            n = len(tok(m["content"], add_special_tokens=False)["input_ids"])
+            assert n <= max_new + 2  # decoded text, tokenized again
+        if r["regenerate"]["context_full"]:
+            src = next(s for s in rows if s["id"] == r["id"])
+            assert r["regenerate"]["turns"] < sum(m["role"] == "assistant" for m in src["messages"])
+
+
+SAMPLED = dict(temperature=0.9, batch_size_samples=3)
+
+
+@pytest.fixture(scope="module")
+def resumed(demo_build, demo_chat, tmp_path_factory):
+    """Sampled answers: one uninterrupted run; one run killed (SIGKILL, its process group) after
+    its second finished batch, a finished batch cut short and a partial file planted, then
+    restarted."""
+    verifier = demo_build["verifier"]
+    whole = tmp_path_factory.mktemp("whole")
+    run_script(verifier, demo_chat, whole, **SAMPLED)
+
+    out = tmp_path_factory.mktemp("killed")
+    work = out / "batches"
+    cmd = [sys.executable, "-m", "workflow_scripts.regenerate", *args_for(verifier, demo_chat, out, **SAMPLED)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while len(list(work.glob("batch-*.json"))) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "no batch finished in time"
+            time.sleep(0.02)
+    finally:
+        shared = shared_memory_of_session(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        release_shared_memory(shared)
+    finished = sorted(work.glob("batch-*.json"))
+    assert 2 <= len(finished) < 8, "the kill came too late to test a resume"
+    assert not (out / "chat_data.jsonl").exists()
+    cut = finished[-1]
+    cut.write_text(cut.read_text()[:50])
+    (work / ".batch-000007.json.tmp-999999").write_text("partial")
+    proc = run_script(verifier, demo_chat, out, **SAMPLED)
+    return {"whole": whole, "out": out, "reused": len(finished) - 1, "log": proc.stderr}
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_only_unfinished_batches(resumed):
+    reused = resumed["reused"]
+    assert f"{reused} finished earlier, {8 - reused} to do" in resumed["log"]
+    stats = json.loads((resumed["out"] / "stats.json").read_text())
+    assert stats["batches"] == 8 and stats["batches_reused"] == reused
+    # sampling is seeded per conversation and turn: the resumed run wrote what the whole run did
+    whole = (resumed["whole"] / "chat_data.jsonl").read_text()
+    assert (resumed["out"] / "chat_data.jsonl").read_text() == whole
+    assert not (resumed["out"] / "batches").exists()
+
+
+@pytest.mark.slow
+def test_sampled_answers_differ_from_greedy_ones(greedy, resumed):
+    """temperature reaches the engine: sampled answers are not the greedy ones."""
+    greedy_rows = read_jsonl(greedy[0] / "chat_data.jsonl")
+    sampled_rows = read_jsonl(resumed["whole"] / "chat_data.jsonl")
+    differ = sum(g["messages"] != s["messages"] for g, s in zip(greedy_rows, sampled_rows))
+    assert differ > 0

@@ -1,0 +1,449 @@
+"""regenerate: the verifier writes the assistant turns of the chat data itself (self-distillation).
+
+A draft learns to predict the verifier, and it learns best from text the verifier writes. This
+stage keeps each conversation's system and user messages and has the verifier (real vLLM) answer
+every user turn, turn by turn, with the conversation so far (its own earlier answers included).
+The original assistant messages only mark where an answer goes; one is also written after a
+conversation's last user turn.
+
+* Before the model loads, one pass over the input finds malformed rows (bad JSON, unknown role,
+  no user turn): ``on_bad_row`` fail stops with file:line, skip counts them.
+* Conversations are answered in batches of ``batch_size_samples``: one engine call per turn
+  round. Each finished batch is written to ``work_dir`` as one file, atomically, with a
+  fingerprint of what it depends on (input bytes, verifier, generation settings). A restarted job
+  reuses the finished batches with the same fingerprint and removes the others. Sampling is
+  seeded per conversation and turn, so the output does not depend on where a run was resumed.
+* A turn that stops at the token limit (``max_new_tokens_per_turn``, or the engine's max length)
+  is counted, and its conversation is kept and flagged (``regenerate.length_limited_turns`` in the
+  row) or dropped (``on_length_limit``). A conversation that outgrows the engine's max length
+  ends at its last answered turn, counted.
+* Output: JSONL rows ``{"id", "messages", "regenerate": {...}}`` in input order, which prepare
+  reads like any chat data; and a stats file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from workflow_scripts import cli
+from workflow_scripts.chat import BadRow, end_of_turn_ids, normalize
+from workflow_scripts.common import (
+    Progress,
+    UserError,
+    atomic_path,
+    format_seconds,
+    run_main,
+    verifier_config,
+    write_json,
+)
+from workflow_scripts.extract import check_devices, check_parallel, resolve_dtype, weight_files
+from workflow_scripts.extract_backends import close_llm, core_in_process, make_llm
+from workflow_scripts.prepare import load_tokenizer
+
+log = logging.getLogger("eagle3")
+MAX_LOGGED_SKIPS = 20
+FORMAT_VERSION = 1  # bump when the way answers are generated changes: finished batches are redone
+
+
+# --------------------------------------------------------------------------- conversations
+
+
+def answer_plan(messages: list[dict[str, str]]) -> list[dict[str, str] | None]:
+    """The conversation to write, as its system and user messages with ``None`` where the
+    verifier answers: after each user turn that the original follows with an assistant message,
+    and after the last message if it is a user turn. Assistant messages that follow no user
+    turn (a leading greeting, a second one in a row) are left out."""
+    plan: list[dict[str, str] | None] = []
+    for msg in messages:
+        if msg["role"] == "assistant":
+            if plan and plan[-1] is not None and plan[-1]["role"] == "user":
+                plan.append(None)
+        else:
+            plan.append(msg)
+    if plan and plan[-1] is not None and plan[-1]["role"] == "user":
+        plan.append(None)
+    if None not in plan:
+        raise BadRow("no_user_turn", "the conversation has no user turn to answer")
+    return plan
+
+
+def read_row(line: bytes | str) -> tuple[Any, list[dict[str, str] | None]]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BadRow("malformed", f"not valid JSON ({exc.msg})") from None
+    return row, answer_plan(normalize(row))
+
+
+@dataclass
+class Index:
+    """What the pass over the input found: where its usable rows start, their line numbers,
+    the bad rows by reason, and the sha256 of the file's bytes."""
+
+    offsets: array = field(default_factory=lambda: array("q"))
+    line_nos: array = field(default_factory=lambda: array("q"))
+    bad: Counter = field(default_factory=Counter)
+    rows_in: int = 0
+    sha256: str = ""
+
+
+def index_input(path: Path, on_bad_row: str) -> Index:
+    """One streaming pass: every row parsed and checked, only offsets kept (flat memory)."""
+    index = Index()
+    digest = hashlib.sha256()
+    pos = 0
+    with open(path, "rb") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            digest.update(line)
+            start, pos = pos, pos + len(line)
+            if not line.strip():
+                continue
+            index.rows_in += 1
+            try:
+                read_row(line)
+            except BadRow as bad:
+                skip_or_fail(index.bad, bad, f"{path}:{line_no}", on_bad_row)
+                continue
+            index.offsets.append(start)
+            index.line_nos.append(line_no)
+    index.sha256 = digest.hexdigest()
+    return index
+
+
+def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str) -> None:
+    if on_bad_row == "fail":
+        raise UserError(
+            f"{where}: {bad} (set regenerate.on_bad_row: skip to count and skip such rows)"
+        ) from None
+    counts[bad.reason] += 1
+    if sum(counts.values()) <= MAX_LOGGED_SKIPS:
+        log.warning("%s: skipped: %s", where, bad)
+
+
+@dataclass
+class Conversation:
+    """One conversation being answered: the messages written so far and what is left."""
+
+    row_id: Any
+    line_no: int
+    plan: list[dict[str, str] | None]
+    messages: list[dict[str, str]] = field(default_factory=list)
+    answered: int = 0
+    length_limited_turns: list[int] = field(default_factory=list)
+    context_full: bool = False
+    bad: BadRow | None = None
+
+    def next_prompt(self) -> list[dict[str, str]] | None:
+        """Copies the plan's messages up to the next answer; the messages to answer, or None
+        when the conversation is complete."""
+        while self.plan:
+            item = self.plan.pop(0)
+            if item is None:
+                return self.messages
+            self.messages.append(item)
+        return None
+
+    def finish(self) -> None:
+        """Ends the conversation at its last answer (the engine's max length is reached)."""
+        self.plan = []
+        while self.messages and self.messages[-1]["role"] != "assistant":
+            self.messages.pop()
+        self.context_full = True
+
+
+def turn_seed(seed: int, line_no: int, turn: int) -> int:
+    blob = f"{seed}:{line_no}:{turn}".encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
+
+
+# --------------------------------------------------------------------------- one batch
+
+
+def answer_batch(llm, tokenizer, p, convs: list[Conversation], stops: list[int]) -> Counter:
+    """Answers every conversation of the batch, one engine call per turn round; returns token
+    counts. Conversations whose first prompt does not fit get ``bad`` set."""
+    from vllm import SamplingParams
+
+    counts: Counter = Counter()
+    active = [(c, c.next_prompt()) for c in convs]
+    active = [(c, m) for c, m in active if m is not None]
+    while active:
+        prompts, params, waiting = [], [], []
+        for conv, messages in active:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+            room = p.max_model_len_tokens - len(ids)
+            if room < 1:
+                if conv.answered == 0:
+                    conv.bad = BadRow(
+                        "too_long",
+                        f"its first prompt has {len(ids)} tokens; regenerate.max_model_len_tokens "
+                        f"is {p.max_model_len_tokens}",
+                    )
+                else:
+                    conv.finish()
+                continue
+            prompts.append({"prompt_token_ids": ids})
+            params.append(
+                SamplingParams(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    max_tokens=min(p.max_new_tokens_per_turn, room),
+                    seed=turn_seed(p.seed, conv.line_no, conv.answered),
+                    stop_token_ids=stops,
+                    detokenize=False,
+                )
+            )
+            waiting.append(conv)
+            counts["prompt_tokens"] += len(ids)
+        outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        for conv, out in zip(waiting, outputs):
+            gen = out.outputs[0]
+            token_ids = [t for t in gen.token_ids if t not in stops]
+            text = tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+            conv.messages.append({"role": "assistant", "content": text})
+            if gen.finish_reason == "length":
+                conv.length_limited_turns.append(conv.answered)
+            conv.answered += 1
+            counts["generated_tokens"] += len(gen.token_ids)
+            counts["turns"] += 1
+            counts["empty_answers"] += not text
+        active = [(c, c.next_prompt()) for c in waiting]
+        active = [(c, m) for c, m in active if m is not None]
+    return counts
+
+
+def batch_result(p, convs: list[Conversation], counts: Counter, where: Path) -> dict[str, Any]:
+    """The rows to write and the batch's statistics; a too-long first prompt fails or is
+    skipped here (on_bad_row)."""
+    rows, bad = [], Counter()
+    stats = Counter(counts)
+    for conv in convs:
+        if conv.bad is not None:
+            skip_or_fail(bad, conv.bad, f"{where}:{conv.line_no}", p.on_bad_row)
+            continue
+        stats["length_limited_turns"] += len(conv.length_limited_turns)
+        stats["length_limited_conversations"] += bool(conv.length_limited_turns)
+        stats["context_full_conversations"] += conv.context_full
+        if conv.length_limited_turns and p.on_length_limit == "drop":
+            stats["dropped_length_limited"] += 1
+            continue
+        rows.append(
+            {
+                "id": conv.row_id,
+                "messages": conv.messages,
+                "regenerate": {
+                    "source_line": conv.line_no,
+                    "turns": conv.answered,
+                    "length_limited_turns": conv.length_limited_turns,
+                    "context_full": conv.context_full,
+                },
+            }
+        )
+    stats["rows_out"] = len(rows)
+    return {"rows": rows, "stats": dict(stats), "bad": dict(bad)}
+
+
+# --------------------------------------------------------------------------- batches on disk
+
+
+def fingerprint(io, p, index: Index, dtype: str) -> str:
+    """What a batch's content depends on: the input's bytes, the verifier, the settings that
+    change answers or batch boundaries. Not: paths, policies applied at the merge, the engine's
+    memory and speed settings."""
+    key = {
+        "format_version": FORMAT_VERSION,
+        "input_sha256": index.sha256,
+        "verifier_config": (io.verifier / "config.json").read_text(),
+        "verifier_weights": [(f.name, f.stat().st_size) for f in weight_files(io.verifier)],
+        "tokenizer": [
+            (io.verifier / n).read_text()
+            for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+            if (io.verifier / n).is_file()
+        ],
+        "dtype": dtype,
+        **p.model_dump(
+            include={
+                "temperature",
+                "top_p",
+                "max_new_tokens_per_turn",
+                "seed",
+                "batch_size_samples",
+                "max_model_len_tokens",
+                "on_bad_row",
+                "on_length_limit",
+            }
+        ),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def batch_path(work_dir: Path, b: int) -> Path:
+    return work_dir / f"batch-{b:06d}.json"
+
+
+def load_batch(path: Path, expected: str) -> dict[str, Any] | None:
+    try:
+        batch = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return batch if batch.get("fingerprint") == expected else None
+
+
+def clean_work_dir(work_dir: Path, expected: str, num_batches: int) -> list[int]:
+    """The batches already finished with this fingerprint; every other file is removed."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    done, removed = [], 0
+    for path in sorted(work_dir.iterdir()):
+        name = path.name
+        if name.startswith("batch-") and name.endswith(".json"):
+            b = int(name[len("batch-") : -len(".json")])
+            if b < num_batches and load_batch(path, expected) is not None:
+                done.append(b)
+                continue
+        path.unlink() if path.is_file() else None
+        removed += 1
+    if removed:
+        log.info("regenerate: removed %d file(s) of an earlier, different run from %s", removed, work_dir)
+    return done
+
+
+def read_conversations(path: Path, index: Index, indices: range) -> Iterator[Conversation]:
+    with open(path, "rb") as fh:
+        for i in indices:
+            fh.seek(index.offsets[i])
+            row, plan = read_row(fh.readline())
+            line_no = index.line_nos[i]
+            yield Conversation(row_id=row.get("id", f"line{line_no}"), line_no=line_no, plan=plan)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def make_engine(io, p, dtype: str):
+
+    kwargs: dict[str, Any] = dict(
+        model=str(io.verifier),
+        tensor_parallel_size=p.tensor_parallel_size,
+        max_model_len=p.max_model_len_tokens,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        dtype=dtype,
+        enable_prefix_caching=True,  # a conversation's next turn starts with its previous prompt
+        max_num_seqs=p.batch_size_samples,
+        max_num_batched_tokens=max(p.batch_budget_tokens, p.max_model_len_tokens),
+        enforce_eager=p.enforce_eager,
+        disable_log_stats=True,
+        seed=p.seed,
+    )
+    if p.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
+    return make_llm(kwargs, in_process=core_in_process(p))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def merge(io, p, index: Index, num_batches: int, elapsed_s: float, resumed: int) -> dict:
+    stats: Counter = Counter()
+    bad: Counter = Counter(index.bad)
+    with atomic_path(io.regenerated) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for b in range(num_batches):
+            batch = json.loads(batch_path(io.work_dir, b).read_text())
+            for row in batch["rows"]:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            stats.update(batch["stats"])
+            bad.update(batch["bad"])
+    if stats["rows_out"] == 0:
+        raise UserError(
+            f"{io.chat_data}: no conversation left after regeneration among {index.rows_in} rows "
+            f"(bad rows: {dict(bad) or 'none'}, dropped at the length limit: "
+            f"{stats['dropped_length_limited']})"
+        )
+    return {
+        "chat_data": str(io.chat_data),
+        "verifier": str(io.verifier),
+        "rows_in": index.rows_in,
+        "rows_out": stats["rows_out"],
+        "bad_rows": dict(sorted(bad.items())),
+        "turns": stats["turns"],
+        "empty_answers": stats["empty_answers"],
+        "length_limited_turns": stats["length_limited_turns"],
+        "length_limited_conversations": stats["length_limited_conversations"],
+        "dropped_length_limited": stats["dropped_length_limited"],
+        "context_full_conversations": stats["context_full_conversations"],
+        "prompt_tokens": stats["prompt_tokens"],
+        "generated_tokens": stats["generated_tokens"],
+        "batches": num_batches,
+        "batches_reused": resumed,
+        "seconds": round(elapsed_s, 1),
+        "params": p.model_dump(mode="json"),
+    }
+
+
+def main() -> None:
+    io, p = cli.parse("regenerate")
+    if not io.chat_data.is_file():
+        raise UserError(f"chat data '{io.chat_data}' does not exist (config key 'chat_data')")
+    cfg = verifier_config(io.verifier)
+    weight_files(io.verifier)
+    check_parallel(cfg, p.tensor_parallel_size, section="regenerate")
+    tokenizer = load_tokenizer(io.verifier)
+    stops = end_of_turn_ids(tokenizer)
+    dtype = resolve_dtype(p, cfg)
+
+    log.info("regenerate: checking %s before the model loads", io.chat_data)
+    index = index_input(io.chat_data, p.on_bad_row)
+    usable = len(index.offsets)
+    if usable == 0:
+        raise UserError(
+            f"{io.chat_data}: no usable conversation among {index.rows_in} rows "
+            f"(bad rows: {dict(index.bad) or 'none'})"
+        )
+    B = p.batch_size_samples
+    num_batches = -(-usable // B)
+    expected = fingerprint(io, p, index, dtype)
+    done = set(clean_work_dir(io.work_dir, expected, num_batches))
+    todo = [b for b in range(num_batches) if b not in done]
+    log.info(
+        "regenerate: %d conversations (%d bad rows %s) in %d batches; %d finished earlier, %d to "
+        "do; stop tokens %s",
+        usable, sum(index.bad.values()), dict(index.bad), num_batches, len(done), len(todo), stops,
+    )
+
+    start = time.monotonic()
+    if todo:
+        check_devices(p, section="regenerate")
+        llm = make_engine(io, p, dtype)
+        log.info("regenerate: engine ready after %s", format_seconds(time.monotonic() - start))
+        todo_rows = sum(min(B, usable - b * B) for b in todo)
+        progress = Progress(
+            "regenerate", total=todo_rows, interval_s=p.progress_interval_s, unit="conversations"
+        )
+        progress.update(0, force=True)
+        for b in todo:
+            convs = list(read_conversations(io.chat_data, index, range(b * B, min(usable, (b + 1) * B))))
+            counts = answer_batch(llm, tokenizer, p, convs, stops)
+            result = batch_result(p, convs, counts, io.chat_data)
+            with atomic_path(batch_path(io.work_dir, b)) as tmp:
+                tmp.write_text(json.dumps({"fingerprint": expected, **result}, ensure_ascii=False))
+            progress.update(len(convs), counts["generated_tokens"])
+        progress.log()
+        close_llm(llm)
+    stats = merge(io, p, index, num_batches, time.monotonic() - start, len(done))
+    write_json(io.stats, stats)
+    for path in io.work_dir.iterdir():
+        path.unlink()
+    io.work_dir.rmdir()
+    log.info("regenerate: done: %s", json.dumps({k: v for k, v in stats.items() if k != "params"}))
+
+
+if __name__ == "__main__":
+    run_main(main)
