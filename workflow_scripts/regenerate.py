@@ -167,9 +167,12 @@ def turn_seed(seed: int, line_no: int, turn: int) -> int:
 # --------------------------------------------------------------------------- one batch
 
 
-def answer_batch(llm, tokenizer, p, convs: list[Conversation], stops: list[int]) -> Counter:
+def answer_batch(
+    llm, tokenizer, p, convs: list[Conversation], stops: list[int], progress: Progress | None = None
+) -> Counter:
     """Answers every conversation of the batch, one engine call per turn round; returns token
-    counts. Conversations whose first prompt does not fit get ``bad`` set."""
+    counts (each round's generated tokens also go to ``progress``). Conversations whose first
+    prompt does not fit get ``bad`` set."""
     from vllm import SamplingParams
 
     counts: Counter = Counter()
@@ -205,6 +208,8 @@ def answer_batch(llm, tokenizer, p, convs: list[Conversation], stops: list[int])
             waiting.append(conv)
             counts["prompt_tokens"] += len(ids)
         outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        if progress is not None:
+            progress.update(0, sum(len(o.outputs[0].token_ids) for o in outputs))
         for conv, out in zip(waiting, outputs):
             gen = out.outputs[0]
             token_ids = [t for t in gen.token_ids if t not in stops]
@@ -430,11 +435,11 @@ def main() -> None:
         progress.update(0, force=True)
         for b in todo:
             convs = list(read_conversations(io.chat_data, index, range(b * B, min(usable, (b + 1) * B))))
-            counts = answer_batch(llm, tokenizer, p, convs, stops)
+            counts = answer_batch(llm, tokenizer, p, convs, stops, progress)
             result = batch_result(p, convs, counts, io.chat_data)
             with atomic_path(batch_path(io.work_dir, b)) as tmp:
                 tmp.write_text(json.dumps({"fingerprint": expected, **result}, ensure_ascii=False))
-            progress.update(len(convs), counts["generated_tokens"])
+            progress.update(len(convs))
         progress.log()
         close_llm(llm)
     stats = merge(io, p, index, num_batches, time.monotonic() - start, len(done))
