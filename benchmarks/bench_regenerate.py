@@ -33,11 +33,11 @@ def snakemake(workdir: Path, configs: list[Path], cores: int) -> float:
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [
         str(Path(sys.executable).parent / "snakemake"),
+        "evaluate",
         "--snakefile", str(ROOT / "Snakefile"),
         "--directory", str(workdir),
         "--cores", str(cores),
         "--configfile", *[str(c) for c in configs],
-        "evaluate",
     ]  # fmt: skip
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))

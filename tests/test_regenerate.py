@@ -26,6 +26,7 @@ from workflow_scripts import cli, regenerate
 from workflow_scripts.chat import BadRow, end_of_turn_ids, tokenize_conversation
 from workflow_scripts.common import UserError
 from workflow_scripts.config import load_config
+from workflow_scripts.stages import RegenerateParams
 
 S = {"role": "system", "content": "Be brief."}
 
@@ -182,12 +183,18 @@ def test_bad_row_fails_with_file_and_line_before_the_model_loads(
     assert f"{chat}:3" in msg and reason in msg and "regenerate.on_bad_row: skip" in msg, msg
 
 
+def test_too_long_first_prompt_fails_before_the_model_loads(monkeypatch, chatml_verifier, tmp_path):
+    chat = write_chat(tmp_path / "chat.jsonl", [GOOD, {"messages": [U("fox " * 300), A("x")]}])
+    msg = main_error(monkeypatch, chatml_verifier, chat, tmp_path, max_model_len_tokens=64)
+    assert f"{chat}:2" in msg and "regenerate.max_model_len_tokens (64)" in msg, msg
+
+
 def test_bad_rows_skipped_and_counted_by_reason(tmp_path):
     chat = write_chat(
         tmp_path / "chat.jsonl",
         [GOOD, "{not json", "", {"messages": [S, A("x")]}, {"conversations": [{"from": "human", "value": "hi"}]}],
     )
-    index = regenerate.index_input(chat, "skip")
+    index = regenerate.index_input(chat, RegenerateParams(on_bad_row="skip"))
     assert index.rows_in == 4  # the blank line is not a row
     assert dict(index.bad) == {"malformed": 1, "no_user_turn": 1}
     assert list(index.line_nos) == [1, 5]

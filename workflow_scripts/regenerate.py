@@ -95,11 +95,13 @@ class Index:
     sha256: str = ""
 
 
-def index_input(path: Path, on_bad_row: str) -> Index:
-    """One streaming pass: every row parsed and checked, only offsets kept (flat memory)."""
+def index_input(path: Path, p, tokenizer=None) -> Index:
+    """One streaming pass: every row parsed and checked, and with ``tokenizer`` its first prompt
+    measured against the engine's max length; only offsets are kept (flat memory)."""
     index = Index()
     digest = hashlib.sha256()
     pos = 0
+    progress = Progress("regenerate: checking rows", total=None, interval_s=p.progress_interval_s)
     with open(path, "rb") as fh:
         for line_no, line in enumerate(fh, start=1):
             digest.update(line)
@@ -108,14 +110,36 @@ def index_input(path: Path, on_bad_row: str) -> Index:
                 continue
             index.rows_in += 1
             try:
-                read_row(line)
+                _, plan = read_row(line)
+                if tokenizer is not None:
+                    check_first_prompt(tokenizer, plan, p.max_model_len_tokens)
             except BadRow as bad:
-                skip_or_fail(index.bad, bad, f"{path}:{line_no}", on_bad_row)
+                skip_or_fail(index.bad, bad, f"{path}:{line_no}", p.on_bad_row)
                 continue
             index.offsets.append(start)
             index.line_nos.append(line_no)
+            progress.update(1)
     index.sha256 = digest.hexdigest()
     return index
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+
+
+def too_long(n_tokens: int, max_len: int) -> BadRow:
+    return BadRow(
+        "too_long",
+        f"its first prompt has {n_tokens} tokens, and the engine must generate at least one "
+        f"within regenerate.max_model_len_tokens ({max_len}); raise it",
+    )
+
+
+def check_first_prompt(tokenizer, plan: list[dict[str, str] | None], max_len: int) -> None:
+    n = len(prompt_ids(tokenizer, [m for m in plan[: plan.index(None)]]))
+    if n >= max_len:
+        raise too_long(n, max_len)
 
 
 def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str) -> None:
@@ -181,16 +205,11 @@ def answer_batch(
     while active:
         prompts, params, waiting = [], [], []
         for conv, messages in active:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+            ids = prompt_ids(tokenizer, messages)
             room = p.max_model_len_tokens - len(ids)
             if room < 1:
-                if conv.answered == 0:
-                    conv.bad = BadRow(
-                        "too_long",
-                        f"its first prompt has {len(ids)} tokens; regenerate.max_model_len_tokens "
-                        f"is {p.max_model_len_tokens}",
-                    )
+                if conv.answered == 0:  # found before the model loads; kept as a safeguard
+                    conv.bad = too_long(len(ids), p.max_model_len_tokens)
                 else:
                     conv.finish()
                 continue
@@ -405,7 +424,7 @@ def main() -> None:
     dtype = resolve_dtype(p, cfg)
 
     log.info("regenerate: checking %s before the model loads", io.chat_data)
-    index = index_input(io.chat_data, p.on_bad_row)
+    index = index_input(io.chat_data, p, tokenizer)
     usable = len(index.offsets)
     if usable == 0:
         raise UserError(
