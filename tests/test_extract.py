@@ -8,9 +8,7 @@ run by Snakemake, and the transformers reference share one verifier and one data
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.processes import kill_when
 from tests.workflow_runner import copy_workflow, planned, snakemake
 from workflow_scripts import cli, extract
 from workflow_scripts.common import UserError, sha256_file
@@ -156,39 +155,6 @@ def stat_key(path: Path) -> tuple[int, int]:
 # --------------------------------------------------------------------------- vLLM, resume
 
 
-def session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid:  # state, ppid, pgrp, session
-                pids.append(int(entry.name))
-    return pids
-
-
-def shared_memory_of_session(sid: int) -> set[str]:
-    """/dev/shm files mapped by the processes of a session: a SIGKILL leaves them behind."""
-    names = set()
-    for pid in session_pids(sid):
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
-                names.add(parts[5].removesuffix(" (deleted)"))
-    return names
-
-
-def release_shared_memory(names: set[str]) -> None:
-    for name in names:
-        Path(name).unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
 def resumed(world):
     """One vLLM job killed (SIGKILL, its whole process group) after its second finished shard,
@@ -199,25 +165,13 @@ def resumed(world):
     shard_dir = out / "shards"
     # one sample per engine step: slow enough to be killed half-way
     slow = ExtractParams(**{**TEST_PARAMS, "batch_size_samples": 1, "batch_budget_tokens": 256})
-    proc = subprocess.Popen(
+    kill_when(
         command(slow, f),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        text=True,
+        ROOT,
+        lambda: len(list(shard_dir.glob("shard_*.safetensors"))) >= 2,
+        240,
+        "two finished shards",
     )
-    deadline = time.monotonic() + 240
-    try:
-        while len(list(shard_dir.glob("shard_*.safetensors"))) < 2:
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no shard finished in time"
-            time.sleep(0.02)
-    finally:
-        shared = shared_memory_of_session(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        release_shared_memory(shared)
     finished = sorted(shard_dir.glob("shard_*.safetensors"))
     partial = sorted(shard_dir.glob(".shard_*.tmp-*"))
     assert 2 <= len(finished) < 8, "the kill came too late to test a resume"

@@ -8,19 +8,16 @@ the answers are the verifier's, limits are counted and flagged, a killed job res
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import ROOT
-from tests.test_extract import release_shared_memory, shared_memory_of_session
+from tests.processes import kill_when
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts import cli, regenerate
 from workflow_scripts.chat import BadRow, end_of_turn_ids, tokenize_conversation
@@ -360,20 +357,7 @@ def resumed(demo_build, demo_chat, tmp_path_factory):
     out = tmp_path_factory.mktemp("killed")
     work = out / "batches"
     cmd = [sys.executable, "-m", "workflow_scripts.regenerate", *args_for(verifier, demo_chat, out, **SAMPLED)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True
-    )
-    deadline = time.monotonic() + 300
-    try:
-        while len(list(work.glob("batch-*.json"))) < 2:
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "no batch finished in time"
-            time.sleep(0.02)
-    finally:
-        shared = shared_memory_of_session(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        release_shared_memory(shared)
+    kill_when(cmd, ROOT, lambda: len(list(work.glob("batch-*.json"))) >= 2, 300, "two batches")
     finished = sorted(work.glob("batch-*.json"))
     assert 2 <= len(finished) < 8, "the kill came too late to test a resume"
     assert not (out / "chat_data.jsonl").exists()
