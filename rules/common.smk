@@ -46,6 +46,7 @@ PREPARE_CHAT_DATA = REGENERATED_CHAT_DATA if CFG.regenerate.enabled else CHAT_DA
 STAGE_CODE = {
     "demo": ["demo.py", "demo_data.py"],
     "regenerate": ["regenerate.py", "chat.py"],
+    "regenerate_merge": ["regenerate_merge.py", "regenerate.py"],
     "prepare": ["prepare.py", "chat.py"],
     "vocab": ["vocab.py"],
     "extract": [

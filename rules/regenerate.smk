@@ -1,24 +1,27 @@
 # Optional (regenerate.enabled): the verifier answers the user turns of chat_data itself, and
-# prepare reads its answers. Finished batches go to REGENERATE_WORK, which is no rule's output:
-# a killed job, started again, redoes only the batches it had not finished.
-REGENERATE_WORK = RESULTS / "regenerate" / "batches"
+# prepare reads its answers. regenerate.num_jobs data-parallel jobs, each one model load and the
+# batches b with b % num_jobs == job_index, then one merge. Batches go to REGENERATE_WORK, which
+# is no rule's output: a killed job, started again, redoes only the batches it had not finished.
+REGENERATE = RESULTS / "regenerate"
+REGENERATE_WORK = REGENERATE / "batches"
 REGENERATE_GPUS = CFG.regenerate.tensor_parallel_size if CFG.regenerate.use_gpus else 0
 
 
 rule regenerate:
-    """Chat data -> the same conversations with the verifier's own answers (vLLM)."""
+    """Chat data -> the verifier's answers (vLLM) for the batches of job {job_index}."""
     input:
         chat_data=CHAT_DATA,
         verifier_config=VERIFIER_CONFIG,
         weights=VERIFIER_WEIGHTS,
         code=stage_code("regenerate"),
     output:
-        regenerated=REGENERATED_CHAT_DATA,
-        stats=report(RESULTS / "regenerate" / "stats.json", category="Data"),
+        part=REGENERATE / "parts" / "part_{job_index}.json",
     log:
-        LOGS / "regenerate.log",
+        LOGS / "regenerate" / "job_{job_index}.log",
     benchmark:
-        BENCHMARKS / "regenerate.tsv"
+        BENCHMARKS / "regenerate" / "job_{job_index}.tsv"
+    wildcard_constraints:
+        job_index=r"\d+",
     conda:
         "../envs/workflow.yaml"
     threads: 4 if CFG.regenerate.use_gpus else workflow.cores
@@ -29,5 +32,26 @@ rule regenerate:
         cmd=stage_cmd(
             "regenerate", gpus=REGENERATE_GPUS, verifier=VERIFIER_DIR, work_dir=REGENERATE_WORK
         ),
+    shell:
+        "{params.cmd} > {log} 2>&1"
+
+
+rule regenerate_merge:
+    """The jobs' batches -> one chat dataset with the verifier's answers, and its statistics."""
+    input:
+        parts=expand(
+            REGENERATE / "parts" / "part_{job_index}.json",
+            job_index=range(CFG.regenerate.num_jobs),
+        ),
+        code=stage_code("regenerate_merge"),
+    output:
+        regenerated=REGENERATED_CHAT_DATA,
+        stats=report(REGENERATE / "stats.json", category="Data"),
+    log:
+        LOGS / "regenerate_merge.log",
+    conda:
+        "../envs/workflow.yaml"
+    params:
+        cmd=stage_cmd("regenerate_merge", work_dir=REGENERATE_WORK),
     shell:
         "{params.cmd} > {log} 2>&1"

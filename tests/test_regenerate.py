@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from tests.conftest import ROOT
 from tests.processes import kill_when
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts import cli, regenerate
+from workflow_scripts import cli, regenerate, regenerate_merge
 from workflow_scripts.chat import BadRow, end_of_turn_ids, tokenize_conversation
 from workflow_scripts.common import UserError
 from workflow_scripts.config import load_config
@@ -116,7 +116,8 @@ def test_end_of_turn_ids_of_chatml(chatml_verifier):
     assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-def args_for(verifier: Path, chat: Path, out: Path, **overrides) -> list[str]:
+def args_for(verifier: Path, chat: Path, out: Path, job_index: int = 0, **overrides) -> list[str]:
+    """The command line of regenerate job ``job_index``, writing under ``out``."""
     cfg = load_config(
         {
             "regenerate": {
@@ -133,10 +134,20 @@ def args_for(verifier: Path, chat: Path, out: Path, **overrides) -> list[str]:
         "chat_data": chat,
         "verifier": verifier,
         "work_dir": out / "batches",
+        "job_index": job_index,
+        "part": out / "parts" / f"part_{job_index}.json",
+    }
+    return shlex.split(cli.render("regenerate", cfg.regenerate, files))
+
+
+def merge_args(out: Path, num_jobs: int = 1) -> list[str]:
+    files = {
+        "parts": [out / "parts" / f"part_{j}.json" for j in range(num_jobs)],
+        "work_dir": out / "batches",
         "regenerated": out / "chat_data.jsonl",
         "stats": out / "stats.json",
     }
-    return shlex.split(cli.render("regenerate", cfg.regenerate, files))
+    return shlex.split(cli.render("regenerate_merge", None, files))
 
 
 def main_error(monkeypatch, verifier: Path, chat: Path, tmp_path: Path, **overrides) -> str:
@@ -228,6 +239,67 @@ def test_restart_keeps_finished_batches_of_the_same_run_only(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["batch-000000.json", "batch-000003.json"]
 
 
+def test_a_job_judges_only_its_own_batch_files(tmp_path):
+    """Job 1 of 2 keeps its finished batches and removes its partial one; job 0's files, even a
+    partial one it may be writing right now, are left alone."""
+    work = tmp_path / "batches"
+    work.mkdir()
+    for b in range(4):
+        (work / f"batch-{b:06d}.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+    (work / ".batch-000004.json.tmp-11").write_text("job 0 writing")
+    (work / ".batch-000005.json.tmp-12").write_text("job 1, killed")
+    (work / "batch-000003.json").write_text(json.dumps({"fingerprint": "old", "rows": []}))
+    done = regenerate.clean_work_dir(work, "same", num_batches=6, job_index=1, num_jobs=2)
+    assert done == [1]
+    assert sorted(p.name for p in work.iterdir()) == [
+        ".batch-000004.json.tmp-11", "batch-000000.json", "batch-000001.json", "batch-000002.json",
+    ]  # fmt: skip
+
+
+def write_part(out: Path, job: int, num_jobs: int, batches: list[int], **changes) -> Path:
+    part = {
+        "fingerprint": "f", "chat_data": "c.jsonl", "verifier": "v", "num_jobs": num_jobs,
+        "job_index": job, "num_batches": 3, "batches": batches, "batches_reused": 0,
+        "rows_in": 3, "bad_rows": {}, "seconds": 1.0, "params": {}, **changes,
+    }  # fmt: skip
+    path = out / "parts" / f"part_{job}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(part))
+    return path
+
+
+def merge_error(monkeypatch, out: Path, num_jobs: int) -> str:
+    monkeypatch.setattr(sys, "argv", ["regenerate_merge", *merge_args(out, num_jobs)])
+    with pytest.raises(UserError) as exc:
+        regenerate_merge.main()
+    return str(exc.value)
+
+
+def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch, tmp_path):
+    for b in range(3):
+        row = {"id": f"r{b}", "messages": [U("q"), A(f"answer {b}")]}
+        stats = {"rows_out": 1, "turns": 1, "generated_tokens": 2}
+        batch = {"fingerprint": "f", "rows": [row], "stats": stats, "bad": {}}
+        (tmp_path / "batches").mkdir(exist_ok=True)
+        regenerate.batch_path(tmp_path / "batches", b).write_text(json.dumps(batch))
+    write_part(tmp_path, 0, 2, [0, 2])
+    write_part(tmp_path, 1, 2, [1])
+    monkeypatch.setattr(sys, "argv", ["regenerate_merge", *merge_args(tmp_path, 2)])
+    regenerate_merge.main()
+    assert [r["id"] for r in read_jsonl(tmp_path / "chat_data.jsonl")] == ["r0", "r1", "r2"]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["rows_out"] == 3 and stats["turns"] == 3 and stats["jobs"] == 2
+
+    write_part(tmp_path, 1, 2, [1], fingerprint="other")
+    assert "disagree on fingerprint" in merge_error(monkeypatch, tmp_path, 2)
+    write_part(tmp_path, 1, 2, [2])
+    assert "do not cover batches 0..2 once each" in merge_error(monkeypatch, tmp_path, 2)
+    write_part(tmp_path, 1, 2, [1])
+    regenerate.batch_path(tmp_path / "batches", 1).write_text('{"fingerprint": "f", "ro')
+    msg = merge_error(monkeypatch, tmp_path, 2)
+    assert "batch-000001.json: missing, cut short" in msg and "--forcerun regenerate" in msg
+
+
 # --------------------------------------------------------------------------- real vLLM
 
 
@@ -235,15 +307,18 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_script(verifier: Path, chat: Path, out: Path, **overrides) -> subprocess.CompletedProcess:
+def run(module: str, args: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.regenerate", *args_for(verifier, chat, out, **overrides)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+def run_script(verifier: Path, chat: Path, out: Path, **overrides) -> subprocess.CompletedProcess:
+    """One regenerate job, then the merge; returns the job's process (its log in stderr)."""
+    proc = run("workflow_scripts.regenerate", args_for(verifier, chat, out, **overrides))
+    run("workflow_scripts.regenerate_merge", merge_args(out))
     return proc
 
 
@@ -301,7 +376,7 @@ def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
     assert stats["turns"] == sum(r["regenerate"]["turns"] for r in got)
     assert stats["length_limited_turns"] == 0 and stats["bad_rows"] == {}
     assert stats["generated_tokens"] > 0 and stats["batches"] == 3
-    assert not (out / "batches").exists()  # finished batches are removed with success
+    assert len(list((out / "batches").glob("batch-*.json"))) == 3  # kept for a rerun merge
     assert "conversations/s" in log and "tokens/s" in log and "ETA" in log
 
 
@@ -360,7 +435,7 @@ def resumed(demo_build, demo_chat, tmp_path_factory):
     kill_when(cmd, ROOT, lambda: len(list(work.glob("batch-*.json"))) >= 2, 300, "two batches")
     finished = sorted(work.glob("batch-*.json"))
     assert 2 <= len(finished) < 8, "the kill came too late to test a resume"
-    assert not (out / "chat_data.jsonl").exists()
+    assert not (out / "parts" / "part_0.json").exists()
     cut = finished[-1]
     cut.write_text(cut.read_text()[:50])
     (work / ".batch-000007.json.tmp-999999").write_text("partial")
@@ -377,7 +452,7 @@ def test_killed_job_resumes_only_unfinished_batches(resumed):
     # sampling is seeded per conversation and turn: the resumed run wrote what the whole run did
     whole = (resumed["whole"] / "chat_data.jsonl").read_text()
     assert (resumed["out"] / "chat_data.jsonl").read_text() == whole
-    assert not (resumed["out"] / "batches").exists()
+    assert not list((resumed["out"] / "batches").glob(".batch-*"))  # no partial file is left
 
 
 @pytest.mark.slow
@@ -387,3 +462,26 @@ def test_sampled_answers_differ_from_greedy_ones(greedy, resumed):
     sampled_rows = read_jsonl(resumed["whole"] / "chat_data.jsonl")
     differ = sum(g["messages"] != s["messages"] for g, s in zip(greedy_rows, sampled_rows))
     assert differ > 0
+
+
+@pytest.mark.slow
+def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_path):
+    """Two data-parallel jobs, run side by side, each answer their own batches; merged, they give
+    the one job's dataset, byte for byte."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "workflow_scripts.regenerate",
+             *args_for(demo_build["verifier"], demo_chat, tmp_path, job, batch_size_samples=8, num_jobs=2)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for job in (0, 1)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+    parts = [json.loads((tmp_path / "parts" / f"part_{j}.json").read_text()) for j in (0, 1)]
+    assert [p["batches"] for p in parts] == [[0, 2], [1]]
+    run("workflow_scripts.regenerate_merge", merge_args(tmp_path, 2))
+    one = greedy[0] / "chat_data.jsonl"
+    assert (tmp_path / "chat_data.jsonl").read_text() == one.read_text()
+    assert json.loads((tmp_path / "stats.json").read_text())["jobs"] == 2

@@ -111,7 +111,7 @@ def test_regenerate_switch_plans_regenerate_then_prepare(built):
     work, config = built
     write_config(work, {**config, "regenerate": {"enabled": True, "use_gpus": False}})
     try:
-        assert planned(work, "vocab_map") == {"regenerate": 1, "prepare": 1, "vocab": 1}
+        assert planned(work, "vocab_map") == {"regenerate": 1, "regenerate_merge": 1, "prepare": 1, "vocab": 1}
         write_config(work, {**config, "regenerate": {"enabled": False, "temperature": 0.7}})
         assert planned(work, "vocab_map") == {}
     finally:

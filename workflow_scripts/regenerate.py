@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from array import array
 from collections import Counter
@@ -322,21 +323,32 @@ def load_batch(path: Path, expected: str) -> dict[str, Any] | None:
     return batch if batch.get("fingerprint") == expected else None
 
 
-def clean_work_dir(work_dir: Path, expected: str, num_batches: int) -> list[int]:
-    """The batches already finished with this fingerprint; every other file is removed."""
+BATCH_FILE = re.compile(r"^\.?batch-(\d{6})\.json(\.tmp-\d+)?$")
+
+
+def clean_work_dir(
+    work_dir: Path, expected: str, num_batches: int, job_index: int = 0, num_jobs: int = 1
+) -> list[int]:
+    """This job's batches (b % num_jobs == job_index) finished with this fingerprint; its other
+    batch files (stale, cut short, partial) are removed, and by job 0 also those past the last
+    batch. Other jobs' files are theirs to judge: they may be writing them right now."""
     work_dir.mkdir(parents=True, exist_ok=True)
     done, removed = [], 0
     for path in sorted(work_dir.iterdir()):
-        name = path.name
-        if name.startswith("batch-") and name.endswith(".json"):
-            b = int(name[len("batch-") : -len(".json")])
-            if b < num_batches and load_batch(path, expected) is not None:
-                done.append(b)
-                continue
-        path.unlink() if path.is_file() else None
+        match = BATCH_FILE.match(path.name)
+        if match is None:
+            continue
+        b = int(match.group(1))
+        mine = b % num_jobs == job_index if b < num_batches else job_index == 0
+        if not mine:
+            continue
+        if b < num_batches and not match.group(2) and load_batch(path, expected) is not None:
+            done.append(b)
+            continue
+        path.unlink()
         removed += 1
     if removed:
-        log.info("regenerate: removed %d file(s) of an earlier, different run from %s", removed, work_dir)
+        log.info("regenerate: removed %d stale or partial batch file(s) from %s", removed, work_dir)
     return done
 
 
@@ -375,43 +387,6 @@ def make_engine(io, p, dtype: str):
 # --------------------------------------------------------------------------- main
 
 
-def merge(io, p, index: Index, num_batches: int, elapsed_s: float, resumed: int) -> dict:
-    stats: Counter = Counter()
-    bad: Counter = Counter(index.bad)
-    with atomic_path(io.regenerated) as tmp, open(tmp, "w", encoding="utf-8") as out:
-        for b in range(num_batches):
-            batch = json.loads(batch_path(io.work_dir, b).read_text())
-            for row in batch["rows"]:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            stats.update(batch["stats"])
-            bad.update(batch["bad"])
-    if stats["rows_out"] == 0:
-        raise UserError(
-            f"{io.chat_data}: no conversation left after regeneration among {index.rows_in} rows "
-            f"(bad rows: {dict(bad) or 'none'}, dropped at the length limit: "
-            f"{stats['dropped_length_limited']})"
-        )
-    return {
-        "chat_data": str(io.chat_data),
-        "verifier": str(io.verifier),
-        "rows_in": index.rows_in,
-        "rows_out": stats["rows_out"],
-        "bad_rows": dict(sorted(bad.items())),
-        "turns": stats["turns"],
-        "empty_answers": stats["empty_answers"],
-        "length_limited_turns": stats["length_limited_turns"],
-        "length_limited_conversations": stats["length_limited_conversations"],
-        "dropped_length_limited": stats["dropped_length_limited"],
-        "context_full_conversations": stats["context_full_conversations"],
-        "prompt_tokens": stats["prompt_tokens"],
-        "generated_tokens": stats["generated_tokens"],
-        "batches": num_batches,
-        "batches_reused": resumed,
-        "seconds": round(elapsed_s, 1),
-        "params": p.model_dump(mode="json"),
-    }
-
-
 def main() -> None:
     io, p = cli.parse("regenerate")
     if not io.chat_data.is_file():
@@ -433,14 +408,18 @@ def main() -> None:
         )
     B = p.batch_size_samples
     num_batches = -(-usable // B)
+    if io.job_index >= p.num_jobs:
+        raise UserError(f"job index {io.job_index} is not below regenerate.num_jobs {p.num_jobs}")
     expected = fingerprint(io, p, index, dtype)
-    done = set(clean_work_dir(io.work_dir, expected, num_batches))
-    todo = [b for b in range(num_batches) if b not in done]
+    mine = list(range(io.job_index, num_batches, p.num_jobs))
+    done = set(clean_work_dir(io.work_dir, expected, num_batches, io.job_index, p.num_jobs))
+    todo = [b for b in mine if b not in done]
     log.info(
-        "regenerate: %d conversations (%d bad rows %s) in %d batches; %d finished earlier, %d to "
-        "do; stop tokens %s",
-        usable, sum(index.bad.values()), dict(index.bad), num_batches, len(done), len(todo), stops,
-    )
+        "regenerate job %d/%d: %d conversations (%d bad rows %s) in %d batches, %d of them this "
+        "job's; %d finished earlier, %d to do; stop tokens %s",
+        io.job_index, p.num_jobs, usable, sum(index.bad.values()), dict(index.bad), num_batches,
+        len(mine), len(done), len(todo), stops,
+    )  # fmt: skip
 
     start = time.monotonic()
     if todo:
@@ -453,7 +432,8 @@ def main() -> None:
         )
         progress.update(0, force=True)
         for b in todo:
-            convs = list(read_conversations(io.chat_data, index, range(b * B, min(usable, (b + 1) * B))))
+            rows = range(b * B, min(usable, (b + 1) * B))
+            convs = list(read_conversations(io.chat_data, index, rows))
             counts = answer_batch(llm, tokenizer, p, convs, stops, progress)
             result = batch_result(p, convs, counts, io.chat_data)
             with atomic_path(batch_path(io.work_dir, b)) as tmp:
@@ -461,12 +441,24 @@ def main() -> None:
             progress.update(len(convs))
         progress.log()
         close_llm(llm)
-    stats = merge(io, p, index, num_batches, time.monotonic() - start, len(done))
-    write_json(io.stats, stats)
-    for path in io.work_dir.iterdir():
-        path.unlink()
-    io.work_dir.rmdir()
-    log.info("regenerate: done: %s", json.dumps({k: v for k, v in stats.items() if k != "params"}))
+    else:
+        log.info("regenerate: nothing to do: the model is not loaded")
+    part = {
+        "fingerprint": expected,
+        "chat_data": str(io.chat_data),
+        "verifier": str(io.verifier),
+        "num_jobs": p.num_jobs,
+        "job_index": io.job_index,
+        "num_batches": num_batches,
+        "batches": mine,
+        "batches_reused": len(done),
+        "rows_in": index.rows_in,
+        "bad_rows": dict(sorted(index.bad.items())),
+        "seconds": round(time.monotonic() - start, 1),
+        "params": p.model_dump(mode="json"),
+    }
+    write_json(io.part, part)
+    log.info("regenerate job %d: %d batches -> %s", io.job_index, len(mine), io.part)
 
 
 if __name__ == "__main__":

