@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import ROOT, run_demo
 from workflow_scripts import demo, demo_data
-from workflow_scripts.chat import tokenize_conversation
+from workflow_scripts.chat import prompt_ids, tokenize_conversation
 
 SMALL = dict(
     num_conversations=40,
@@ -349,7 +349,7 @@ def test_vllm_greedy_agrees_with_transformers(demo_build, tmp_path):
     for row, vllm_ids, vllm_text, chat_text in zip(
         evals, got["token_ids"], got["text"], got["chat_text"]
     ):
-        ids = demo.prompt_ids(tok, row["messages"])
+        ids = prompt_ids(tok, row["messages"])
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([ids]), max_new_tokens=96, do_sample=False, pad_token_id=tok.pad_token_id

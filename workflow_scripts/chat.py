@@ -8,8 +8,15 @@ the newline after an end-of-turn token) is never masked.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+from workflow_scripts.common import UserError
+
+log = logging.getLogger("eagle3")
+MAX_LOGGED_SKIPS = 20  # bad rows logged one by one; the rest are only counted
 
 ROLES = {
     "system": "system",
@@ -27,6 +34,16 @@ class BadRow(ValueError):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason = reason
+
+
+def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str, setting: str) -> None:
+    """A bad row at ``where`` (file:line): a UserError naming ``setting`` (the config key of the
+    policy) when ``on_bad_row`` is fail, else counted by reason and logged (the first few)."""
+    if on_bad_row == "fail":
+        raise UserError(f"{where}: {bad} (set {setting}: skip to count and skip such rows)")
+    counts[bad.reason] += 1
+    if sum(counts.values()) <= MAX_LOGGED_SKIPS:
+        log.warning("%s: skipped: %s", where, bad)
 
 
 def normalize(row: Any) -> list[dict[str, str]]:
@@ -110,6 +127,13 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: in
 
     truncated = len(ids) > max_len
     return Tokenized(ids[:max_len], mask[:max_len], truncated)
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of ``messages`` with the chat template's generation prompt after them,
+    tokenized as prepare tokenizes whole conversations (the rendered text, no added tokens)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def has_chat_template(tokenizer) -> bool:

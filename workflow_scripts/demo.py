@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from workflow_scripts import cli
+from workflow_scripts.chat import prompt_ids
 from workflow_scripts.common import UserError, atomic_path, format_seconds, run_main, write_json
 from workflow_scripts.demo_data import (
     dumps_jsonl,
@@ -324,11 +325,6 @@ def train_verifier(p, tokenizer, conversations: Iterator[dict]):
 
 
 # --------------------------------------------------------------------------- evaluation
-
-
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def greedy_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts import cli
-from workflow_scripts.chat import BadRow, normalize
+from workflow_scripts.chat import BadRow, normalize, prompt_ids
 from workflow_scripts.common import UserError, atomic_path, read_json, run_main, write_json
 
 log = logging.getLogger("eagle3")
@@ -42,8 +42,7 @@ def load_prompts(path: Path, tokenizer, limit: int | None) -> list[dict[str, Any
                     raise BadRow("malformed", "the last message must be a user turn")
             except (json.JSONDecodeError, BadRow) as exc:
                 raise UserError(f"{path}:{line_no}: not a usable prompt: {exc}") from None
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+            ids = prompt_ids(tokenizer, messages)
             prompts.append({"id": row.get("id", f"line{line_no}"), "prompt_token_ids": ids})
             if limit and len(prompts) >= limit:
                 break

@@ -11,11 +11,16 @@ import logging
 from collections import Counter
 
 from workflow_scripts import cli
-from workflow_scripts.chat import BadRow, has_chat_template, normalize, tokenize_conversation
+from workflow_scripts.chat import (
+    BadRow,
+    has_chat_template,
+    normalize,
+    skip_or_fail,
+    tokenize_conversation,
+)
 from workflow_scripts.common import Progress, UserError, atomic_path, run_main, write_json
 
 log = logging.getLogger("eagle3")
-MAX_LOGGED_SKIPS = 20
 
 
 def load_tokenizer(verifier):
@@ -65,14 +70,9 @@ def main() -> None:
                         + (" left after truncation" if sample.truncated else ""),
                     )
             except BadRow as bad:
-                where = f"{io.chat_data}:{line_no}"
-                if p.on_bad_row == "fail" and bad.reason != "no_assistant_tokens":
-                    raise UserError(
-                        f"{where}: {bad} (set prepare.on_bad_row: skip to count and skip such rows)"
-                    ) from None
-                drops[bad.reason] += 1
-                if sum(drops.values()) <= MAX_LOGGED_SKIPS:
-                    log.warning("%s: skipped: %s", where, bad)
+                # rows left without assistant tokens are always dropped and counted
+                policy = "skip" if bad.reason == "no_assistant_tokens" else p.on_bad_row
+                skip_or_fail(drops, bad, f"{io.chat_data}:{line_no}", policy, "prepare.on_bad_row")
                 progress.update(1)
                 continue
             row_id = row.get("id", f"line{line_no}")

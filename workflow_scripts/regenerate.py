@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from workflow_scripts import cli
-from workflow_scripts.chat import BadRow, end_of_turn_ids, normalize
+from workflow_scripts.chat import BadRow, end_of_turn_ids, normalize, prompt_ids, skip_or_fail
 from workflow_scripts.common import (
     Progress,
     UserError,
@@ -50,7 +50,7 @@ from workflow_scripts.extract_backends import close_llm, core_in_process, make_l
 from workflow_scripts.prepare import load_tokenizer
 
 log = logging.getLogger("eagle3")
-MAX_LOGGED_SKIPS = 20
+SETTING = "regenerate.on_bad_row"
 FORMAT_VERSION = 1  # bump when the way answers are generated changes: finished batches are redone
 
 
@@ -115,18 +115,13 @@ def index_input(path: Path, p, tokenizer=None) -> Index:
                 if tokenizer is not None:
                     check_first_prompt(tokenizer, plan, p.max_model_len_tokens)
             except BadRow as bad:
-                skip_or_fail(index.bad, bad, f"{path}:{line_no}", p.on_bad_row)
+                skip_or_fail(index.bad, bad, f"{path}:{line_no}", p.on_bad_row, SETTING)
                 continue
             index.offsets.append(start)
             index.line_nos.append(line_no)
             progress.update(1)
     index.sha256 = digest.hexdigest()
     return index
-
-
-def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
 
 def too_long(n_tokens: int, max_len: int) -> BadRow:
@@ -138,19 +133,9 @@ def too_long(n_tokens: int, max_len: int) -> BadRow:
 
 
 def check_first_prompt(tokenizer, plan: list[dict[str, str] | None], max_len: int) -> None:
-    n = len(prompt_ids(tokenizer, [m for m in plan[: plan.index(None)]]))
+    n = len(prompt_ids(tokenizer, plan[: plan.index(None)]))
     if n >= max_len:
         raise too_long(n, max_len)
-
-
-def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str) -> None:
-    if on_bad_row == "fail":
-        raise UserError(
-            f"{where}: {bad} (set regenerate.on_bad_row: skip to count and skip such rows)"
-        ) from None
-    counts[bad.reason] += 1
-    if sum(counts.values()) <= MAX_LOGGED_SKIPS:
-        log.warning("%s: skipped: %s", where, bad)
 
 
 @dataclass
@@ -253,7 +238,7 @@ def batch_result(p, convs: list[Conversation], counts: Counter, where: Path) -> 
     stats = Counter(counts)
     for conv in convs:
         if conv.bad is not None:
-            skip_or_fail(bad, conv.bad, f"{where}:{conv.line_no}", p.on_bad_row)
+            skip_or_fail(bad, conv.bad, f"{where}:{conv.line_no}", p.on_bad_row, SETTING)
             continue
         stats["length_limited_turns"] += len(conv.length_limited_turns)
         stats["length_limited_conversations"] += bool(conv.length_limited_turns)
