@@ -267,8 +267,8 @@ def batch_result(p, convs: list[Conversation], counts: Counter, where: Path) -> 
 
 def fingerprint(io, p, index: Index, dtype: str) -> str:
     """What a batch's content depends on: the input's bytes, the verifier, the settings that
-    change answers or batch boundaries. Not: paths, policies applied at the merge, the engine's
-    memory and speed settings."""
+    change answers, batch boundaries or which rows a batch keeps. Not: paths, the number of
+    jobs, the engine's memory and speed settings."""
     key = {
         "format_version": FORMAT_VERSION,
         "input_sha256": index.sha256,
