@@ -17,7 +17,7 @@ $(VENV)/.installed: envs/requirements-cpu.lock
 	# --no-deps: the lock is the complete, tested set (it leaves out PyPI's torchvision,
 	# torchaudio and torchcodec, which are built for CUDA torch and break imports beside +cpu torch)
 	$(PY) -m pip install --quiet --no-deps -r envs/requirements-cpu.lock
-	# the stage scripts, importable as `python -m workflow_scripts.<stage>` from any directory
+	# the stage scripts, importable as `python -m workflow_scripts.stages.<stage>` from any directory
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -34,12 +34,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workflow_scripts import extract_backends as backends  # noqa: E402
-from workflow_scripts.common import verifier_config  # noqa: E402
-from workflow_scripts.config import load_config  # noqa: E402
-from workflow_scripts.extract import layer_ids, resolve_dtype  # noqa: E402
-from workflow_scripts.shards import TORCH_DTYPES, shard_name  # noqa: E402
-from workflow_scripts.stages import ExtractParams  # noqa: E402
+from workflow_scripts.lib import engine  # noqa: E402
+from workflow_scripts.lib import extraction_engines as backends  # noqa: E402
+from workflow_scripts.lib.config import load_config  # noqa: E402
+from workflow_scripts.lib.definitions import ExtractParams  # noqa: E402
+from workflow_scripts.lib.manifest import shard_name  # noqa: E402
+from workflow_scripts.lib.shards import TORCH_DTYPES  # noqa: E402
+from workflow_scripts.lib.verifier import aux_layer_ids, verifier_config  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -128,17 +129,15 @@ def main() -> None:
         extract_cfg[key] = yaml.safe_load(value)
     p: ExtractParams = load_config({**raw, "extract": extract_cfg}).extract
     cfg = verifier_config(args.verifier)
-    aux = layer_ids(cfg, p.aux_layer_ids)
+    aux = aux_layer_ids(cfg, p.aux_layer_ids)
     n_layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-    dtype_name = resolve_dtype(p, cfg)
+    dtype_name = engine.resolve_dtype(p, cfg)
     dtype = TORCH_DTYPES[dtype_name]
     samples = load_samples(args, int(cfg["vocab_size"]), p.max_model_len_tokens)
     tokens = sum(int(ids.numel()) for ids, _ in samples)
     warm = samples[: min(16, len(samples))]
     in_process = (
-        backends.core_in_process(p)
-        if args.engine_process == "auto"
-        else args.engine_process == "in"
+        engine.core_in_process(p) if args.engine_process == "auto" else args.engine_process == "in"
     )
     loop = dict(batch_size_samples=p.batch_size_samples, batch_budget_tokens=p.batch_budget_tokens)
     print(
@@ -149,8 +148,8 @@ def main() -> None:
     )
 
     # 1. plain prefill
-    llm = backends.make_llm(
-        backends.vllm_engine_kwargs(args.verifier, p, dtype_name, None, None), in_process
+    llm = engine.make_llm(
+        backends.vllm_engine_args(args.verifier, p, dtype_name, None, None), in_process
     )
     try:
 
@@ -165,15 +164,15 @@ def main() -> None:
         prefill(warm)
         prefill_s = timed_passes(lambda: prefill(samples), args.passes, "prefill")
     finally:
-        backends.close_llm(llm)
+        engine.close_llm(llm)
 
     # 2. extraction into real shards
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     scratch = work / "requests"
     scratch.mkdir()
     written = {"bytes": 0, "tokens": 0}
-    kwargs = backends.vllm_engine_kwargs(args.verifier, p, dtype_name, aux + [n_layers], scratch)
-    llm = backends.make_llm(kwargs, in_process)
+    kwargs = backends.vllm_engine_args(args.verifier, p, dtype_name, aux + [n_layers], scratch)
+    llm = engine.make_llm(kwargs, in_process)
     try:
 
         def extraction(batch):
@@ -203,7 +202,7 @@ def main() -> None:
         extraction(warm)
         extract_s = timed_passes(lambda: extraction(samples), args.passes, "extraction")
     finally:
-        backends.close_llm(llm)
+        engine.close_llm(llm)
         shutil.rmtree(work, ignore_errors=True)
 
     floor = (len(aux) + 1) * hidden * dtype.itemsize

@@ -125,8 +125,10 @@ def main() -> None:
         rows.append(row)
 
     first = rows[0]
-    print(f"\nmean acceptance length (k={res['num_speculative_tokens']}, {res['num_prompts']} "
-          "held-out prompts); changed: assistant turns that differ from the data's")
+    print(
+        f"\nmean acceptance length (k={res['num_speculative_tokens']}, {res['num_prompts']} "
+        "held-out prompts); changed: assistant turns that differ from the data's"
+    )
     head = f"{'variant':<20} {'changed':>8} {'greedy':>8} {'ratio':>6}"
     print(head + (f" {'sampled':>8} {'ratio':>6}" if first["sampled"] else ""))
     for r in rows:

@@ -29,9 +29,14 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workflow_scripts import shards, train  # noqa: E402
-from workflow_scripts.common import sha256_file  # noqa: E402
-from workflow_scripts.stages import TrainIO, TrainParams  # noqa: E402
+from workflow_scripts.lib import manifest, shards  # noqa: E402
+from workflow_scripts.lib.definitions import TrainParams  # noqa: E402
+from workflow_scripts.lib.registry import TrainIO  # noqa: E402
+from workflow_scripts.lib.trainer import Trainer  # noqa: E402
+from workflow_scripts.lib.training_data import Loader  # noqa: E402
+from workflow_scripts.lib.training_inputs import check_inputs  # noqa: E402
+from workflow_scripts.lib.training_processes import setup_processes  # noqa: E402
+from workflow_scripts.lib.verifier import identity as verifier_identity  # noqa: E402
 
 
 def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1024, k=512):
@@ -82,25 +87,25 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
                     mask,
                 )
             )
-        path = extract / shards.shard_name(len(entries))
+        path = extract / manifest.shard_name(len(entries))
         entries.append(shards.write_shard(path, samples, start, fingerprint=f"bench-{start}"))
         start += len(samples)
-    manifest = {
-        "format_version": shards.FORMAT_VERSION,
-        "layer_convention": shards.LAYER_CONVENTION,
+    record = {
+        "format_version": manifest.FORMAT_VERSION,
+        "layer_convention": manifest.LAYER_CONVENTION,
         "aux_layer_ids": aux_ids,
         "final_layer_id": layers,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "dtype": "float32",
-        "verifier": {"path": str(verifier), "config_sha256": sha256_file(verifier / "config.json")},
+        "verifier": {"path": str(verifier), **verifier_identity(verifier)},
         "tokenized": {"path": "synthetic", "sha256": "0" * 64},
         "vocab_size": vocab,
         "num_samples": num_samples,
         "num_tokens": sum(e["num_tokens"] for e in entries),
         "shards": entries,
     }
-    (extract / "manifest.json").write_text(json.dumps(manifest))
+    (extract / "manifest.json").write_text(json.dumps(record))
     selected = torch.arange(k)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[selected] = True
@@ -109,7 +114,7 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
     return extract / "manifest.json", vocab_map, verifier
 
 
-def timed(trainer: train.Trainer, steps) -> tuple[int, float]:
+def timed(trainer: Trainer, steps) -> tuple[int, float]:
     """Train on the StepData of ``steps`` (an iterable); tokens and seconds."""
     tokens, start = 0, time.perf_counter()
     for data in steps:
@@ -163,8 +168,8 @@ def main(argv=None) -> int:
             epochs=20,  # only as many steps as measured are taken
             validation_fraction=0.0,
         )
-        d = train.setup_processes(p)
-        trainer = train.Trainer(io, p, train.check_inputs(io, p), d)
+        d = setup_processes(p)
+        trainer = Trainer(io, p, check_inputs(io, p), d)
         index, plan = trainer.inputs.index, trainer.plan
         block = args.steps_per_block
         needed = args.warmup_steps + args.rounds * block
@@ -172,7 +177,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"only {plan.total_steps} steps of data; {needed} needed")
 
         def from_shards(first: int):
-            return train.Loader(
+            return Loader(
                 index, plan, first, first + block, 0, 1, torch.float32, False, args.background
             )
 

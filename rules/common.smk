@@ -10,9 +10,10 @@ from snakemake.exceptions import WorkflowError
 
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
-from workflow_scripts import cli as _cli
-from workflow_scripts.config import ConfigError, load_config
-from workflow_scripts.stages import STAGES
+from workflow_scripts.lib import cli as _cli
+from workflow_scripts.lib.code_inputs import closure_files
+from workflow_scripts.lib.config import ConfigError, load_config
+from workflow_scripts.lib.registry import STAGES
 
 try:
     CFG = load_config(config)
@@ -42,28 +43,13 @@ VERIFIER_WEIGHTS = (
 REGENERATED_CHAT_DATA = RESULTS / "regenerate" / "chat_data.jsonl"
 PREPARE_CHAT_DATA = REGENERATED_CHAT_DATA if CFG.regenerate.enabled else CHAT_DATA
 
-# The code each stage runs: listed as rule input, so that editing it reruns the stage.
-STAGE_CODE = {
-    "demo": ["demo.py", "demo_data.py"],
-    "regenerate": ["regenerate.py", "chat.py"],
-    "regenerate_merge": ["regenerate_merge.py", "regenerate.py"],
-    "prepare": ["prepare.py", "chat.py"],
-    "vocab": ["vocab.py"],
-    "extract": [
-        "extract.py",
-        "extract_backends.py",
-        "hidden_states_connector.py",
-        "shards.py",
-    ],
-    "extract_merge": ["extract_merge.py", "shards.py"],
-    "evaluate": ["evaluate.py"],
-    "train": ["train.py", "draft_model.py", "checkpoint.py", "shards.py"],
-}
-
 
 def stage_code(stage):
-    # relative to the working directory, so that moving the checkout does not rerun everything
-    return [os.path.relpath(WORKFLOW_DIR / "workflow_scripts" / f) for f in STAGE_CODE[stage]]
+    """The code the stage runs (an input of its rules, so an edit reruns the stage): every
+    module of the project in the import closure of the stage's entry script, found by
+    lib/code_inputs.py. Relative to the working directory, so that moving the checkout does not
+    rerun everything."""
+    return [os.path.relpath(f) for f in closure_files(STAGES[stage].module, WORKFLOW_DIR)]
 
 
 def stage_config(stage):
@@ -81,7 +67,7 @@ def stage_cmd(stage, gpus=None, **extra):
     record params computed from input/output, hence stage_config beside it.
 
     ``gpus``: for a GPU rule, the same count as its ``resources`` entry ``gpu`` (an int,
-    or a function of the wildcards). The command then runs under workflow_scripts/gpus.py, which
+    or a function of the wildcards). The command then runs under workflow_scripts/lib/gpus.py, which
     gives the job exactly that many GPUs of its own in CUDA_VISIBLE_DEVICES (a lease on local
     runs, SLURM's allocation on a cluster) and fails before the stage starts when there are
     fewer; with 0 the command runs unchanged."""
@@ -94,7 +80,7 @@ def stage_cmd(stage, gpus=None, **extra):
         cmd = f"python -m {spec.module} {args}"
         if gpus is not None:
             count = gpus(wildcards) if callable(gpus) else gpus
-            cmd = f"python -m workflow_scripts.gpus {int(count)} -- {cmd}"
+            cmd = f"python -m workflow_scripts.lib.gpus {int(count)} -- {cmd}"
         return cmd
 
     return render

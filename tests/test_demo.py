@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_demo
-from workflow_scripts import demo, demo_data
-from workflow_scripts.chat import prompt_ids, tokenize_conversation
+from workflow_scripts.lib import demo_data
+from workflow_scripts.lib import demo_verifier as demo
+from workflow_scripts.lib.chat import prompt_ids, tokenize_conversation
 
 SMALL = dict(
     num_conversations=40,
@@ -139,8 +140,8 @@ def test_too_many_eval_prompts_fails_cleanly_and_leaves_nothing(tmp_path):
 
 def test_killed_build_leaves_nothing_that_looks_finished(tmp_path):
     """A build killed during training leaves no output file, at its own name, behind."""
-    from workflow_scripts import cli
-    from workflow_scripts.stages import DemoParams
+    from workflow_scripts.lib import cli
+    from workflow_scripts.lib.definitions import DemoParams
 
     files = {
         "verifier": tmp_path / "verifier",
@@ -149,7 +150,7 @@ def test_killed_build_leaves_nothing_that_looks_finished(tmp_path):
     }
     args = cli.render("demo", DemoParams(**{**SMALL, "train_steps": 100_000}), files)
     proc = subprocess.Popen(
-        f"{sys.executable} -m workflow_scripts.demo {args}",
+        f"{sys.executable} -m workflow_scripts.stages.demo {args}",
         shell=True,
         cwd=ROOT,
         stderr=subprocess.PIPE,
@@ -245,7 +246,10 @@ def test_verifier_directory_loads_with_transformers(small_build, small_tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     verifier = small_build["verifier"]
-    assert sorted(p.name for p in small_build["verifier"].parent.iterdir() if p.name.startswith("."))== []
+    assert (
+        sorted(p.name for p in small_build["verifier"].parent.iterdir() if p.name.startswith("."))
+        == []
+    )
     for name in VERIFIER_FILES:
         assert (verifier / name).is_file(), name
     config = json.loads((verifier / "config.json").read_text())
@@ -279,14 +283,11 @@ def test_trained_verifier_answers_held_out_prompts(demo_build):
     result = demo.evaluate(model, tok, evals)
     assert result["exact_match"] >= 0.9, result
     # answers of 20-80 tokens, as the speculative decoding stages expect
-    lengths = sorted(
-        len(tok(r["reference"], add_special_tokens=False)["input_ids"]) for r in evals
-    )
+    lengths = sorted(len(tok(r["reference"], add_special_tokens=False)["input_ids"]) for r in evals)
     assert 15 <= lengths[len(lengths) // 2] <= 80, lengths
 
 
-VLLM_SCRIPT = textwrap.dedent(
-    """
+VLLM_SCRIPT = textwrap.dedent("""
     import json, sys
 
     def main():
@@ -316,10 +317,10 @@ VLLM_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         main()
-    """
-)
+    """)
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_vllm_greedy_agrees_with_transformers(demo_build, tmp_path):
     """vLLM loads the verifier and its tokenizer, applies the chat template itself, and generates
@@ -352,7 +353,10 @@ def test_vllm_greedy_agrees_with_transformers(demo_build, tmp_path):
         ids = prompt_ids(tok, row["messages"])
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=96, do_sample=False, pad_token_id=tok.pad_token_id
+                torch.tensor([ids]),
+                max_new_tokens=96,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
             )
         hf_ids = out[0, len(ids) :].tolist()
         assert [t for t in vllm_ids if t not in stops] == [t for t in hf_ids if t not in stops], row

@@ -20,17 +20,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.processes import kill_when
 from tests.workflow_runner import copy_workflow, planned, snakemake
-from workflow_scripts import cli, extract
-from workflow_scripts.common import UserError, sha256_file
-from workflow_scripts.extract_merge import merge
-from workflow_scripts.shards import (
-    LAYER_CONVENTION,
-    ShardReader,
-    ShardWriter,
-    load_manifest,
-    shard_fingerprint,
-)
-from workflow_scripts.stages import ExtractParams
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.common import UserError, sha256_file
+from workflow_scripts.lib.definitions import ExtractParams
+from workflow_scripts.lib.manifest import LAYER_CONVENTION, load_manifest
+from workflow_scripts.lib.manifest import merge_parts as merge
+from workflow_scripts.lib.shards import ShardReader, ShardWriter, shard_fingerprint
+from workflow_scripts.stages import extract
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -117,7 +113,7 @@ def command(p: ExtractParams, f: dict) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "workflow_scripts.extract",
+        "workflow_scripts.stages.extract",
         *shlex.split(cli.render("extract", p, f)),
     ]
 
@@ -198,6 +194,7 @@ def resumed(world):
     }
 
 
+@pytest.mark.engine
 def test_killed_job_resumes_only_unfinished_shards(resumed):
     shard_dir = resumed["out"] / "shards"
     kept, truncated = resumed["kept"], resumed["truncated"]
@@ -215,6 +212,7 @@ def test_killed_job_resumes_only_unfinished_shards(resumed):
         assert shard_fingerprint(Path(entry["path"])) == entry["fingerprint"]
 
 
+@pytest.mark.engine
 def test_manifest_records_layers_verifier_and_skips(resumed, world):
     _, verifier, tokenized = world
     m = resumed["manifest"]
@@ -242,12 +240,14 @@ def test_manifest_records_layers_verifier_and_skips(resumed, world):
     assert meta["layer_convention"] == LAYER_CONVENTION
 
 
+@pytest.mark.engine
 def test_bytes_per_token_near_floor(resumed):
     m = resumed["manifest"]
     floor = 4 * 128 * 4  # (3 aux + final) x hidden x float32
     assert floor <= m["bytes"] / m["num_tokens"] <= floor * 1.02
 
 
+@pytest.mark.engine
 def test_finished_job_reruns_without_loading_the_model(resumed):
     start = time.monotonic()
     proc = run_job(ExtractParams(**TEST_PARAMS), resumed["files"])
@@ -263,6 +263,7 @@ def test_finished_job_reruns_without_loading_the_model(resumed):
 # --------------------------------------------------------------------------- reference backend
 
 
+@pytest.mark.engine
 def test_transformers_backend_matches_vllm(resumed, world):
     """Same shards from the reference backend; every tensor within 1e-4 in float32, the final
     pre-norm state included."""
@@ -289,6 +290,8 @@ def test_transformers_backend_matches_vllm(resumed, world):
 # --------------------------------------------------------------------------- data parallel
 
 
+@pytest.mark.engine
+@pytest.mark.workflow
 def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     """extract.num_jobs: 2 through the real rules: each job does its own shards, and the merged
     manifest holds the same shards (same fingerprints and samples, same states) as one job."""
@@ -346,13 +349,13 @@ def preflight_error(monkeypatch, world, tmp_path, verifier=None, lengths=None, *
         tokenized = write_rows(tmp_path / "data.jsonl", lengths)
     p = ExtractParams(**{**TEST_PARAMS, **overrides})
     f = files(root, verifier or default_verifier, tokenized, tmp_path / "out", 0)
-    from workflow_scripts import extract_backends
+    from workflow_scripts.lib import engine, extraction_engines
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the checks failed")
 
-    monkeypatch.setattr(extract_backends, "make_llm", no_model)
-    monkeypatch.setattr(extract_backends, "TransformersExtractor", no_model)
+    monkeypatch.setattr(engine, "make_llm", no_model)
+    monkeypatch.setattr(extraction_engines, "TransformersExtractor", no_model)
     monkeypatch.setattr(sys, "argv", command(p, f)[2:])
     with pytest.raises(UserError) as err:
         extract.main()
@@ -506,7 +509,7 @@ def test_connector_gathers_what_the_stock_connector_would(dtype):
         extract_from_kv_cache,
     )
 
-    from workflow_scripts.hidden_states_connector import gather_states
+    from workflow_scripts.lib.hidden_states_connector import gather_states
 
     cache = torch.randn(20, 4, 16, 8).to(dtype)  # [blocks, layers, block_size, hidden]
     for blocks, tokens in (([5, 17, 3], 40), ([9], 16), ([4, 2], 17), ([1], 1)):

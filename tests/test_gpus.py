@@ -1,4 +1,4 @@
-"""workflow_scripts/gpus.py: each local GPU job gets GPUs of its own; SLURM's allocation is kept."""
+"""workflow_scripts/lib/gpus.py: each local GPU job gets GPUs of its own; SLURM's allocation is kept."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def launch(n, command, env_extra, lock_dir, **kwargs):
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     env.update({"EAGLE3_GPU_LOCK_DIR": str(lock_dir), **env_extra})
     return subprocess.Popen(
-        [sys.executable, "-m", "workflow_scripts.gpus", str(n), "--", *command],
+        [sys.executable, "-m", "workflow_scripts.lib.gpus", str(n), "--", *command],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -109,9 +109,7 @@ def test_a_lease_ends_with_the_job_even_when_it_is_killed(tmp_path):
 
 def test_fewer_gpus_than_asked_fails_before_the_command_runs(tmp_path):
     marker = tmp_path / "ran"
-    proc = launch(
-        4, ["touch", str(marker)], fake_nvidia_smi(tmp_path, 2), tmp_path / "locks"
-    )
+    proc = launch(4, ["touch", str(marker)], fake_nvidia_smi(tmp_path, 2), tmp_path / "locks")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert not marker.exists()
@@ -147,11 +145,13 @@ def test_zero_gpus_runs_the_command_unchanged(tmp_path):
 def test_slurm_allocation_is_passed_on_as_slurm_set_it(tmp_path):
     """Two SLURM jobs on one node, each numbered from 0 (as with ConstrainDevices): both run,
     since each job leases in a directory of its own."""
-    a = launch(2, [*SHOW_AND_HOLD, "2"], {"SLURM_JOB_ID": "11", "CUDA_VISIBLE_DEVICES": "0,1"},
-               tmp_path)
+    a = launch(
+        2, [*SHOW_AND_HOLD, "2"], {"SLURM_JOB_ID": "11", "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path
+    )
     time.sleep(0.5)
-    b = launch(2, [*SHOW_AND_HOLD, "0"], {"SLURM_JOB_ID": "12", "CUDA_VISIBLE_DEVICES": "0,1"},
-               tmp_path)
+    b = launch(
+        2, [*SHOW_AND_HOLD, "0"], {"SLURM_JOB_ID": "12", "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path
+    )
     assert visible(b) == ["0", "1"] and visible(a) == ["0", "1"]
     assert (tmp_path / "slurm-job-11").is_dir() and (tmp_path / "slurm-job-12").is_dir()
 
@@ -166,8 +166,10 @@ def test_slurm_job_without_gpus_fails_clearly(tmp_path):
 @pytest.mark.parametrize("argv", [[], ["4"], ["x", "--", "true"], ["4", "true"]])
 def test_usage(argv):
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.gpus", *argv],
-        cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "workflow_scripts.lib.gpus", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
@@ -191,13 +193,14 @@ with open(argv[argv.index("--part") + 1], "w") as fh:
 '''
 
 
+@pytest.mark.workflow
 def test_snakemake_local_run_gives_concurrent_extraction_jobs_their_own_gpus(tmp_path):
     """The real extract rule under Snakemake's local executor, 2 jobs x 4 GPUs on a machine with
     8 (a fake nvidia-smi): both run at once, on GPUs 0-3 and 4-7. The extraction script itself
     is replaced in the workflow's copy by a stub that records what it was given."""
     config = {"extract": {"use_gpus": True, "tensor_parallel_size": 4, "num_jobs": 2}}
     wd = workflow_runner.copy_workflow(tmp_path / "wf", config)
-    (wd / "workflow_scripts" / "extract.py").write_text(STUB_EXTRACT)
+    (wd / "workflow_scripts" / "stages" / "extract.py").write_text(STUB_EXTRACT)
     # the outputs of the stages before extraction, so that only extraction runs
     for rel in (
         "results/demo/chat_data.jsonl",
@@ -217,9 +220,21 @@ def test_snakemake_local_run_gives_concurrent_extraction_jobs_their_own_gpus(tmp
     env["EAGLE3_GPU_LOCK_DIR"] = str(tmp_path / "locks")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "snakemake"), *parts, "--cores", "8",
-         "--resources", "gpu=8", "--configfile", "test_config.yaml"],
-        cwd=wd, env=env, capture_output=True, text=True, timeout=600,
+        [
+            str(Path(sys.executable).parent / "snakemake"),
+            *parts,
+            "--cores",
+            "8",
+            "--resources",
+            "gpu=8",
+            "--configfile",
+            "test_config.yaml",
+        ],
+        cwd=wd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert "rule demo" not in proc.stderr and "rule prepare" not in proc.stderr

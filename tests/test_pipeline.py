@@ -10,7 +10,7 @@ import pytest
 
 from tests.workflow_runner import copy_workflow, planned, snakemake, write_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,12 @@ def test_report(pipeline, tmp_path):
     import zipfile
 
     names = zipfile.ZipFile(report).namelist()
-    for expected in ("acceptance_per_position.png", "results.json", "config.resolved.yaml",
-                     "stats.json"):
+    for expected in (
+        "acceptance_per_position.png",
+        "results.json",
+        "config.resolved.yaml",
+        "stats.json",
+    ):
         assert any(n.endswith(expected) for n in names), (expected, names)
 
 
@@ -99,7 +103,7 @@ def test_extraction_change_reruns_extraction_and_training(pipeline):
 
 def test_training_code_change_reruns_training(pipeline):
     work, _ = pipeline
-    path = work / "workflow_scripts" / "draft_model.py"
+    path = work / "workflow_scripts" / "lib" / "draft_model.py"
     original = path.read_text()
     path.write_text(original + "\n# edited\n")
     try:

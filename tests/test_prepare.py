@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts import cli
-from workflow_scripts.chat import BadRow, normalize, tokenize_conversation
-from workflow_scripts.stages import PrepareParams
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.chat import BadRow, normalize, tokenize_conversation
+from workflow_scripts.lib.definitions import PrepareParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,14 +77,14 @@ def test_demo_template_mask(demo_build):
     check_mask_matches_template_spans(tokenizer, CONVERSATION, "<|eot_id|>")
     with open(demo_build["chat_data"]) as fh:
         for line, _ in zip(fh, range(50)):
-            check_mask_matches_template_spans(
-                tokenizer, normalize(json.loads(line)), "<|eot_id|>"
-            )
+            check_mask_matches_template_spans(tokenizer, normalize(json.loads(line)), "<|eot_id|>")
 
 
 def test_sharegpt_and_messages_are_the_same():
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
-    messages = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    messages = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    }
     assert normalize(sharegpt) == normalize(messages)
 
 
@@ -121,7 +121,7 @@ def run_prepare(tmp_path, verifier, chat_data, **params):
     }
     args = shlex.split(cli.render("prepare", PrepareParams(**params), files))
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.prepare", *args],
+        [sys.executable, "-m", "workflow_scripts.stages.prepare", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -177,8 +177,12 @@ def test_truncation_and_rows_left_without_assistant_tokens(tmp_path, chatml_dir)
     assert len(row["input_ids"]) == first_reply + 2 and sum(row["loss_mask"]) == 2
     assert json.loads(files["stats"].read_text())["truncated_rows"] == 1
     # cut before any assistant token: the row is dropped and counted, even with on_bad_row=fail
-    proc, files = run_prepare(tmp_path, chatml_dir, write_jsonl(tmp_path / "c2.jsonl", [GOOD, GOOD]),
-                              max_seq_len_tokens=first_reply)
+    proc, files = run_prepare(
+        tmp_path,
+        chatml_dir,
+        write_jsonl(tmp_path / "c2.jsonl", [GOOD, GOOD]),
+        max_seq_len_tokens=first_reply,
+    )
     assert proc.returncode == 2 and "no usable conversation" in proc.stderr
 
 
@@ -194,6 +198,7 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, chatml_dir):
 
 def test_memory_stays_flat_as_input_grows(tmp_path, chatml_dir):
     """Peak RSS with 40x the rows stays within a few MB of the small run: the input streams."""
+
     def peak_rss_kb(n_rows):
         data = write_jsonl(tmp_path / f"chat{n_rows}.jsonl", [GOOD] * n_rows)
         files = {
@@ -205,7 +210,7 @@ def test_memory_stays_flat_as_input_grows(tmp_path, chatml_dir):
         args = shlex.split(cli.render("prepare", PrepareParams(), files))
         code = (
             "import resource, runpy, sys; sys.argv = ['prepare'] + sys.argv[1:];"
-            "from workflow_scripts.common import run_main; from workflow_scripts.prepare import main;"
+            "from workflow_scripts.lib.common import run_main; from workflow_scripts.stages.prepare import main;"
             "run_main(main); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
         )
         proc = subprocess.run(

@@ -19,11 +19,12 @@ from transformers import AutoTokenizer
 from tests.conftest import ROOT
 from tests.processes import kill_when
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts import cli, regenerate, regenerate_merge
-from workflow_scripts.chat import BadRow, end_of_turn_ids, tokenize_conversation
-from workflow_scripts.common import UserError
-from workflow_scripts.config import load_config
-from workflow_scripts.stages import RegenerateParams
+from workflow_scripts.lib import cli, regeneration
+from workflow_scripts.lib.chat import BadRow, end_of_turn_ids, tokenize_conversation
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.config import load_config
+from workflow_scripts.lib.definitions import RegenerateParams
+from workflow_scripts.stages import regenerate, regenerate_merge
 
 S = {"role": "system", "content": "Be brief."}
 
@@ -54,17 +55,19 @@ def A(text: str) -> dict:
     ],
 )
 def test_answer_plan(messages, expected):
-    assert regenerate.answer_plan(messages) == expected
+    assert regeneration.answer_plan(messages) == expected
 
 
 def test_conversation_without_user_turn_is_a_bad_row():
     with pytest.raises(BadRow) as exc:
-        regenerate.answer_plan([S, A("x")])
+        regeneration.answer_plan([S, A("x")])
     assert exc.value.reason == "no_user_turn"
 
 
 def test_conversation_replays_plan_with_its_own_answers():
-    conv = regenerate.Conversation("c", 1, regenerate.answer_plan([S, U("a"), A("x"), U("b"), A("y")]))
+    conv = regeneration.Conversation(
+        "c", 1, regeneration.answer_plan([S, U("a"), A("x"), U("b"), A("y")])
+    )
     assert conv.next_prompt() == [S, U("a")]
     conv.messages.append(A("mine"))
     assert conv.next_prompt() == [S, U("a"), A("mine"), U("b")]
@@ -73,7 +76,9 @@ def test_conversation_replays_plan_with_its_own_answers():
 
 
 def test_context_full_ends_at_last_answer():
-    conv = regenerate.Conversation("c", 1, regenerate.answer_plan([U("a"), A("x"), U("b"), A("y")]))
+    conv = regeneration.Conversation(
+        "c", 1, regeneration.answer_plan([U("a"), A("x"), U("b"), A("y")])
+    )
     conv.next_prompt()
     conv.messages.append(A("mine"))
     conv.next_prompt()  # [a, mine, b]: does not fit
@@ -82,9 +87,9 @@ def test_context_full_ends_at_last_answer():
 
 
 def test_turn_seed_depends_on_seed_row_and_turn_only():
-    seeds = {regenerate.turn_seed(s, line, t) for s in (0, 1) for line in (1, 2) for t in (0, 1)}
+    seeds = {regeneration.turn_seed(s, line, t) for s in (0, 1) for line in (1, 2) for t in (0, 1)}
     assert len(seeds) == 8
-    assert regenerate.turn_seed(0, 5, 2) == regenerate.turn_seed(0, 5, 2)
+    assert regeneration.turn_seed(0, 5, 2) == regeneration.turn_seed(0, 5, 2)
 
 
 # --------------------------------------------------------------------------- before the model loads
@@ -157,7 +162,9 @@ def main_error(monkeypatch, verifier: Path, chat: Path, tmp_path: Path, **overri
         raise AssertionError("the engine was started before the input was checked")
 
     monkeypatch.setattr(regenerate, "make_engine", no_engine)
-    monkeypatch.setattr(sys, "argv", ["regenerate", *args_for(verifier, chat, tmp_path, **overrides)])
+    monkeypatch.setattr(
+        sys, "argv", ["regenerate", *args_for(verifier, chat, tmp_path, **overrides)]
+    )
     with pytest.raises(UserError) as exc:
         regenerate.main()
     return str(exc.value)
@@ -200,9 +207,15 @@ def test_too_long_first_prompt_fails_before_the_model_loads(monkeypatch, chatml_
 def test_bad_rows_skipped_and_counted_by_reason(tmp_path):
     chat = write_chat(
         tmp_path / "chat.jsonl",
-        [GOOD, "{not json", "", {"messages": [S, A("x")]}, {"conversations": [{"from": "human", "value": "hi"}]}],
+        [
+            GOOD,
+            "{not json",
+            "",
+            {"messages": [S, A("x")]},
+            {"conversations": [{"from": "human", "value": "hi"}]},
+        ],
     )
-    index = regenerate.index_input(chat, RegenerateParams(on_bad_row="skip"))
+    index = regeneration.index_input(chat, RegenerateParams(on_bad_row="skip"))
     assert index.rows_in == 4  # the blank line is not a row
     assert dict(index.bad) == {"malformed": 1, "no_user_turn": 1}
     assert list(index.line_nos) == [1, 5]
@@ -219,7 +232,9 @@ def test_no_usable_row_and_missing_file_are_clear_errors(monkeypatch, chatml_ver
     assert "does not exist" in msg and "chat_data" in msg
 
 
-def test_tensor_parallel_size_is_checked_before_the_model_loads(monkeypatch, chatml_verifier, tmp_path):
+def test_tensor_parallel_size_is_checked_before_the_model_loads(
+    monkeypatch, chatml_verifier, tmp_path
+):
     chat = write_chat(tmp_path / "chat.jsonl", [GOOD])
     msg = main_error(monkeypatch, chatml_verifier, chat, tmp_path, tensor_parallel_size=3)
     assert "regenerate.tensor_parallel_size 3 does not divide" in msg
@@ -234,7 +249,7 @@ def test_restart_keeps_finished_batches_of_the_same_run_only(tmp_path):
     (work / "batch-000003.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
     (work / ".batch-000004.json.tmp-123").write_text("partial")
     (work / "batch-000009.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
-    done = regenerate.clean_work_dir(work, "same", num_batches=5)
+    done = regeneration.clean_work_dir(work, "same", num_batches=5)
     assert done == [0, 3]
     assert sorted(p.name for p in work.iterdir()) == ["batch-000000.json", "batch-000003.json"]
 
@@ -249,7 +264,7 @@ def test_a_job_judges_only_its_own_batch_files(tmp_path):
     (work / ".batch-000004.json.tmp-11").write_text("job 0 writing")
     (work / ".batch-000005.json.tmp-12").write_text("job 1, killed")
     (work / "batch-000003.json").write_text(json.dumps({"fingerprint": "old", "rows": []}))
-    done = regenerate.clean_work_dir(work, "same", num_batches=6, job_index=1, num_jobs=2)
+    done = regeneration.clean_work_dir(work, "same", num_batches=6, job_index=1, num_jobs=2)
     assert done == [1]
     assert sorted(p.name for p in work.iterdir()) == [
         ".batch-000004.json.tmp-11", "batch-000000.json", "batch-000001.json", "batch-000002.json",
@@ -281,7 +296,7 @@ def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch
         stats = {"rows_out": 1, "turns": 1, "generated_tokens": 2}
         batch = {"fingerprint": "f", "rows": [row], "stats": stats, "bad": {}}
         (tmp_path / "batches").mkdir(exist_ok=True)
-        regenerate.batch_path(tmp_path / "batches", b).write_text(json.dumps(batch))
+        regeneration.batch_path(tmp_path / "batches", b).write_text(json.dumps(batch))
     write_part(tmp_path, 0, 2, [0, 2])
     write_part(tmp_path, 1, 2, [1])
     monkeypatch.setattr(sys, "argv", ["regenerate_merge", *merge_args(tmp_path, 2)])
@@ -295,7 +310,7 @@ def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch
     write_part(tmp_path, 1, 2, [2])
     assert "do not cover batches 0..2 once each" in merge_error(monkeypatch, tmp_path, 2)
     write_part(tmp_path, 1, 2, [1])
-    regenerate.batch_path(tmp_path / "batches", 1).write_text('{"fingerprint": "f", "ro')
+    regeneration.batch_path(tmp_path / "batches", 1).write_text('{"fingerprint": "f", "ro')
     msg = merge_error(monkeypatch, tmp_path, 2)
     assert "batch-000001.json: missing, cut short" in msg and "--forcerun regenerate" in msg
 
@@ -317,8 +332,8 @@ def run(module: str, args: list[str]) -> subprocess.CompletedProcess:
 
 def run_script(verifier: Path, chat: Path, out: Path, **overrides) -> subprocess.CompletedProcess:
     """One regenerate job, then the merge; returns the job's process (its log in stderr)."""
-    proc = run("workflow_scripts.regenerate", args_for(verifier, chat, out, **overrides))
-    run("workflow_scripts.regenerate_merge", merge_args(out))
+    proc = run("workflow_scripts.stages.regenerate", args_for(verifier, chat, out, **overrides))
+    run("workflow_scripts.stages.regenerate_merge", merge_args(out))
     return proc
 
 
@@ -336,6 +351,7 @@ def greedy(demo_build, demo_chat, tmp_path_factory):
     return out, proc.stderr
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
     from transformers import AutoModelForCausalLM
@@ -364,10 +380,15 @@ def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
 
             with torch.no_grad():
                 hf = model.generate(
-                    torch.tensor([ids]), max_new_tokens=256, do_sample=False,
-                    eos_token_id=stops, pad_token_id=tok.pad_token_id,
+                    torch.tensor([ids]),
+                    max_new_tokens=256,
+                    do_sample=False,
+                    eos_token_id=stops,
+                    pad_token_id=tok.pad_token_id,
                 )
-            text = tok.decode([t for t in hf[0, len(ids):].tolist() if t not in stops], skip_special_tokens=True)
+            text = tok.decode(
+                [t for t in hf[0, len(ids) :].tolist() if t not in stops], skip_special_tokens=True
+            )
             assert m["content"] == text.strip(), (g["id"], i)
         # prepare reads the output like any chat data, with assistant tokens to learn
         assert sum(tokenize_conversation(tok, g["messages"], 512).loss_mask) > 0
@@ -380,6 +401,7 @@ def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
     assert "conversations/s" in log and "tokens/s" in log and "ETA" in log
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["keep", "drop"])
 def test_length_limits_are_counted_and_flagged(demo_build, demo_chat, tmp_path, policy):
@@ -392,8 +414,14 @@ def test_length_limits_are_counted_and_flagged(demo_build, demo_chat, tmp_path, 
     chat = write_chat(tmp_path / "chat.jsonl", rows + [long_row])
     max_len, max_new = 72, 20
     run_script(
-        demo_build["verifier"], chat, tmp_path, batch_size_samples=8, max_new_tokens_per_turn=max_new,
-        max_model_len_tokens=max_len, on_bad_row="skip", on_length_limit=policy,
+        demo_build["verifier"],
+        chat,
+        tmp_path,
+        batch_size_samples=8,
+        max_new_tokens_per_turn=max_new,
+        max_model_len_tokens=max_len,
+        on_bad_row="skip",
+        on_length_limit=policy,
     )
     got = read_jsonl(tmp_path / "chat_data.jsonl")
     stats = json.loads((tmp_path / "stats.json").read_text())
@@ -404,7 +432,9 @@ def test_length_limits_are_counted_and_flagged(demo_build, demo_chat, tmp_path, 
         assert len(flagged) == stats["length_limited_conversations"]
         assert stats["rows_out"] == len(rows)
     else:
-        assert not flagged and stats["dropped_length_limited"] == stats["length_limited_conversations"]
+        assert (
+            not flagged and stats["dropped_length_limited"] == stats["length_limited_conversations"]
+        )
         assert stats["rows_out"] == len(rows) - stats["dropped_length_limited"] == len(got)
     for r in got:
         answers = [m for m in r["messages"] if m["role"] == "assistant"]
@@ -431,7 +461,12 @@ def resumed(demo_build, demo_chat, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("killed")
     work = out / "batches"
-    cmd = [sys.executable, "-m", "workflow_scripts.regenerate", *args_for(verifier, demo_chat, out, **SAMPLED)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workflow_scripts.stages.regenerate",
+        *args_for(verifier, demo_chat, out, **SAMPLED),
+    ]
     kill_when(cmd, ROOT, lambda: len(list(work.glob("batch-*.json"))) >= 2, 300, "two batches")
     finished = sorted(work.glob("batch-*.json"))
     assert 2 <= len(finished) < 8, "the kill came too late to test a resume"
@@ -443,6 +478,7 @@ def resumed(demo_build, demo_chat, tmp_path_factory):
     return {"whole": whole, "out": out, "reused": len(finished) - 1, "log": proc.stderr}
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_killed_job_resumes_only_unfinished_batches(resumed):
     reused = resumed["reused"]
@@ -455,6 +491,7 @@ def test_killed_job_resumes_only_unfinished_batches(resumed):
     assert not list((resumed["out"] / "batches").glob(".batch-*"))  # no partial file is left
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_sampled_answers_differ_from_greedy_ones(greedy, resumed):
     """temperature reaches the engine: sampled answers are not the greedy ones."""
@@ -464,13 +501,14 @@ def test_sampled_answers_differ_from_greedy_ones(greedy, resumed):
     assert differ > 0
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_path):
     """Two data-parallel jobs, run side by side, each answer their own batches; merged, they give
     the one job's dataset, byte for byte."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "workflow_scripts.regenerate",
+            [sys.executable, "-m", "workflow_scripts.stages.regenerate",
              *args_for(demo_build["verifier"], demo_chat, tmp_path, job, batch_size_samples=8, num_jobs=2)],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -481,7 +519,7 @@ def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_p
         assert proc.returncode == 0, err[-4000:]
     parts = [json.loads((tmp_path / "parts" / f"part_{j}.json").read_text()) for j in (0, 1)]
     assert [p["batches"] for p in parts] == [[0, 2], [1]]
-    run("workflow_scripts.regenerate_merge", merge_args(tmp_path, 2))
+    run("workflow_scripts.stages.regenerate_merge", merge_args(tmp_path, 2))
     one = greedy[0] / "chat_data.jsonl"
     assert (tmp_path / "chat_data.jsonl").read_text() == one.read_text()
     assert json.loads((tmp_path / "stats.json").read_text())["jobs"] == 2

@@ -27,6 +27,8 @@ import yaml
 
 from tests import workflow_runner
 
+pytestmark = pytest.mark.workflow
+
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_DIR = ROOT / "tests" / "slurm"
 RUN_TIMEOUT_S = 30 * 60  # a hard stop; the run takes about 10 minutes on 2 cores
@@ -76,7 +78,8 @@ def slurm_cluster():
 def _active(job_ids: list[str]) -> bool:
     out = subprocess.run(
         ["squeue", "-h", "-o", "%i %T", "-j", ",".join(job_ids)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return any(s in out for s in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"))
 
@@ -183,7 +186,7 @@ def test_gpu_launcher_inside_slurm_jobs(slurm_cluster, tmp_path):
     """Under SLURM the launcher passes on the job's own GPUs, and refuses a job given too few."""
     env = workflow_runner.env()
     env["EAGLE3_GPU_LOCK_DIR"] = str(tmp_path / "locks")
-    launcher = f"{sys.executable} -m workflow_scripts.gpus"
+    launcher = f"{sys.executable} -m workflow_scripts.lib.gpus"
     jobs = {
         "a": ("--gpus=4", f"{launcher} 4 -- sh -c 'echo visible=$CUDA_VISIBLE_DEVICES; sleep 4'"),
         "b": ("--gpus=4", f"{launcher} 4 -- sh -c 'echo visible=$CUDA_VISIBLE_DEVICES; sleep 4'"),
@@ -192,9 +195,21 @@ def test_gpu_launcher_inside_slurm_jobs(slurm_cluster, tmp_path):
     ids = {}
     for name, (gpus, cmd) in jobs.items():
         out = subprocess.run(
-            ["sbatch", "--parsable", gpus, "--nodes=1", "--cpus-per-gpu=1", "--mem=500",
-             f"--output={tmp_path / name}.log", f"--chdir={ROOT}", f"--wrap={cmd}"],
-            capture_output=True, text=True, env=env, check=True,
+            [
+                "sbatch",
+                "--parsable",
+                gpus,
+                "--nodes=1",
+                "--cpus-per-gpu=1",
+                "--mem=500",
+                f"--output={tmp_path / name}.log",
+                f"--chdir={ROOT}",
+                f"--wrap={cmd}",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
         ).stdout
         ids[name] = out.strip().split(";")[0]
         slurm_cluster.append(ids[name])
@@ -215,7 +230,7 @@ def test_gpu_launcher_inside_slurm_jobs(slurm_cluster, tmp_path):
     assert "needs 4 GPU(s), found 2" in logs["few"] and "ran" not in logs["few"].split("\n")
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(slurm_cluster, tmp_path):
     workdir = workflow_runner.copy_workflow(tmp_path / "wf", CONFIG)
     profile = merged_profile(tmp_path / "profile")
@@ -223,13 +238,21 @@ def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(slurm_cluster, tmp_
     poller.start()
     cmd = [
         str(Path(sys.executable).parent / "snakemake"),
-        "draft_ckpt", "--profile", str(profile), "--configfile", "test_config.yaml",
+        "draft_ckpt",
+        "--profile",
+        str(profile),
+        "--configfile",
+        "test_config.yaml",
     ]
     log_path = tmp_path / "snakemake.log"
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            cmd, cwd=workdir, env=workflow_runner.env(), stdout=log, stderr=subprocess.STDOUT,
+            cmd,
+            cwd=workdir,
+            env=workflow_runner.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         try:
@@ -298,7 +321,7 @@ def _overlap(a: dict[str, str], b: dict[str, str]) -> bool:
 
 
 def _launcher_lines(log_dir: Path) -> dict[str, list[str]]:
-    """SLURM job id -> CUDA_VISIBLE_DEVICES, from the line workflow_scripts/gpus.py writes first
+    """SLURM job id -> CUDA_VISIBLE_DEVICES, from the line workflow_scripts/lib/gpus.py writes first
     into a GPU rule's log."""
     found = {}
     pattern = re.compile(r"^gpus: SLURM job (\d+) on \S+: CUDA_VISIBLE_DEVICES=(\S+)", re.M)

@@ -11,9 +11,15 @@ from transformers import AutoTokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, planned, snakemake, write_config
 
+pytestmark = pytest.mark.workflow
+
 CHAT = [
-    {"messages": [{"role": "user", "content": f"Count from {i} to {i + 4}."},
-                  {"role": "assistant", "content": ", ".join(str(n) for n in range(i, i + 5)) + "."}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"Count from {i} to {i + 4}."},
+            {"role": "assistant", "content": ", ".join(str(n) for n in range(i, i + 5)) + "."},
+        ]
+    }
     for i in range(30)
 ]
 
@@ -82,7 +88,7 @@ def test_data_change_plans_everything(built):
 
 @pytest.mark.parametrize(
     "script, expected",
-    [("vocab.py", {"vocab": 1}), ("prepare.py", {"prepare": 1, "vocab": 1})],
+    [("stages/vocab.py", {"vocab": 1}), ("stages/prepare.py", {"prepare": 1, "vocab": 1})],
 )
 def test_code_change_reruns_that_stage(built, script, expected):
     work, _ = built
@@ -111,7 +117,12 @@ def test_regenerate_switch_plans_regenerate_then_prepare(built):
     work, config = built
     write_config(work, {**config, "regenerate": {"enabled": True, "use_gpus": False}})
     try:
-        assert planned(work, "vocab_map") == {"regenerate": 1, "regenerate_merge": 1, "prepare": 1, "vocab": 1}
+        assert planned(work, "vocab_map") == {
+            "regenerate": 1,
+            "regenerate_merge": 1,
+            "prepare": 1,
+            "vocab": 1,
+        }
         write_config(work, {**config, "regenerate": {"enabled": False, "temperature": 0.7}})
         assert planned(work, "vocab_map") == {}
     finally:

@@ -26,17 +26,21 @@ from tests.train_data_for_tests import (
     read_metrics,
     tiny_verifier,
 )
-from workflow_scripts import train
-from workflow_scripts.checkpoint import read_draft_checkpoint, speculators_config
-from workflow_scripts.checkpoint import write_draft_checkpoint
-from workflow_scripts.common import UserError
-from workflow_scripts.draft_model import (
+from workflow_scripts.lib import trainer, verifier
+from workflow_scripts.lib.checkpoint import (
+    read_draft_checkpoint,
+    speculators_config,
+    write_draft_checkpoint,
+)
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.draft_model import (
     DraftConfig,
     Eagle3Draft,
     Rotary,
     TeacherHead,
     llama_layer_config,
 )
+from workflow_scripts.stages import train
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(
@@ -76,7 +80,7 @@ def copy_inputs(inputs, dst: Path):
 def run_script(args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.train", *args],
+        [sys.executable, "-m", "workflow_scripts.stages.train", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -241,10 +245,10 @@ def test_teacher_is_the_verifier_restricted_to_the_draft_vocab(inputs):
     model = tiny_verifier()
     vcfg = json.loads((inputs.verifier / "config.json").read_text())
     t2d = load_file(str(inputs.vocab_map))["t2d"]
-    located = train.locate_verifier_tensors(inputs.verifier, vcfg)
+    located = verifier.locate_tensors(inputs.verifier, vcfg)
     teacher = TeacherHead(
-        train.read_verifier_tensor(located["norm"]),
-        train.read_verifier_tensor(located["lm_head"], rows=t2d, chunk_rows=100),
+        verifier.read_tensor(located["norm"]),
+        verifier.read_tensor(located["lm_head"], rows=t2d, chunk_rows=100),
         vcfg["rms_norm_eps"],
     )
     ids = random_samples(1, 256, seed=5)[0][0]
@@ -274,13 +278,13 @@ def test_verifier_tensors_from_sharded_and_tied_checkpoints(inputs, tmp_path):
         weight_map.update({n: file for n in part})
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     rows = torch.rand(256) < 0.3
-    located = train.locate_verifier_tensors(sharded, vcfg)
+    located = verifier.locate_tensors(sharded, vcfg)
     assert {k: name for k, (_, name) in located.items()} == {
         "embed": "model.embed_tokens.weight",
         "norm": "model.norm.weight",
         "lm_head": "lm_head.weight",
     }
-    head = train.read_verifier_tensor(located["lm_head"], rows=rows, chunk_rows=50)
+    head = verifier.read_tensor(located["lm_head"], rows=rows, chunk_rows=50)
     torch.testing.assert_close(head, full["lm_head.weight"][rows])
 
     tied = tmp_path / "tied"
@@ -290,11 +294,9 @@ def test_verifier_tensors_from_sharded_and_tied_checkpoints(inputs, tmp_path):
         {n: t for n, t in full.items() if n != "lm_head.weight"}, str(tied / "model.safetensors")
     )
     tied_cfg = {**vcfg, "tie_word_embeddings": True}
-    assert (
-        train.locate_verifier_tensors(tied, tied_cfg)["lm_head"][1] == "model.embed_tokens.weight"
-    )
+    assert verifier.locate_tensors(tied, tied_cfg)["lm_head"][1] == "model.embed_tokens.weight"
     with pytest.raises(UserError, match="no lm_head.weight"):
-        train.locate_verifier_tensors(tied, {**vcfg, "tie_word_embeddings": False})
+        verifier.locate_tensors(tied, {**vcfg, "tie_word_embeddings": False})
 
 
 def test_checkpoint_format(tmp_path):
@@ -394,7 +396,7 @@ def test_bad_input_stops_before_the_first_step(inputs, tmp_path, case):
     spoil(bad)
     with pytest.raises(UserError, match=message):
         train.main(bad.args(tmp_path / "out", epochs=1, **FAST))
-    assert not (tmp_path / "out" / "state" / train.METRICS_FILE).exists()
+    assert not (tmp_path / "out" / "state" / trainer.METRICS_FILE).exists()
     assert not (tmp_path / "out" / "draft").exists()
 
 
@@ -440,9 +442,9 @@ def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
     assert {"loss", "top1_agreement", "tokens_per_s", "eta_s", "lr"} <= set(expected[0])
 
     args = inputs.args(tmp_path / "killed", **params)
-    state = tmp_path / "killed" / "state" / train.STATE_FILE
+    state = tmp_path / "killed" / "state" / trainer.STATE_FILE
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workflow_scripts.train", *args],
+        [sys.executable, "-m", "workflow_scripts.stages.train", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL,

@@ -15,10 +15,9 @@ import textwrap
 
 import pytest
 
-from workflow_scripts.config import ConfigError, load_config
+from workflow_scripts.lib.config import ConfigError, load_config
 
-SCRIPT = textwrap.dedent(
-    """
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
@@ -47,8 +46,7 @@ SCRIPT = textwrap.dedent(
     right = sum(t == r["reference"] for t, r in zip(texts, rows))
     json.dump({"right": right, "n": len(rows), "acceptance_length": 1 + accepted / drafts if drafts else None,
                "texts": texts}, open(out, "w"))
-    """
-)
+    """)
 
 
 def sampled(demo_build, tmp_path, spec: str) -> dict:
@@ -63,6 +61,7 @@ def sampled(demo_build, tmp_path, spec: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_speculative_sampling_on_cpu_is_not_the_verifiers(demo_build, tmp_path):
     plain = sampled(demo_build, tmp_path, "none")

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workflow_scripts import cli
-from workflow_scripts.stages import VocabParams
-from workflow_scripts.vocab import select_vocab
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.definitions import VocabParams
+from workflow_scripts.lib.vocab_map import select_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def run_vocab(tmp_path, rows, vocab_size, draft_vocab_size):
     }
     args = shlex.split(cli.render("vocab", VocabParams(draft_vocab_size=draft_vocab_size), files))
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.vocab", *args],
+        [sys.executable, "-m", "workflow_scripts.stages.vocab", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

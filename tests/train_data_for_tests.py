@@ -1,5 +1,5 @@
 """A tiny Llama verifier and its hidden-state shards, made here with transformers (nothing is
-downloaded): the inputs of the training stage, in the formats of ``shards.py`` and ``vocab.py``.
+downloaded): the inputs of the training stage, in the formats of ``lib/shards.py`` and ``lib/vocab_map.py``.
 
 Hidden states follow vLLM's convention: aux id k = HF ``hidden_states[k]`` (the input of decoder
 layer k); the final state is the last decoder layer's output *before* the final norm (HF's
@@ -18,10 +18,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from workflow_scripts import cli, shards
-from workflow_scripts.common import sha256_file
-from workflow_scripts.stages import TrainParams
-from workflow_scripts.vocab import build_maps, select_vocab
+from workflow_scripts.lib import cli, manifest, shards, verifier
+from workflow_scripts.lib.definitions import TrainParams
+from workflow_scripts.lib.vocab_map import build_maps, select_vocab
 
 
 def tiny_verifier(
@@ -128,11 +127,11 @@ def write_extraction(
         for ids, mask in samples[s0 : s0 + shard_size]:
             aux, final = hidden_states(model, ids, aux_ids)
             states.append(shards.SampleStates(aux, final, ids, mask))
-        path = out_dir / shards.shard_name(len(entries))
+        path = out_dir / manifest.shard_name(len(entries))
         entries.append(shards.write_shard(path, states, s0, fingerprint=f"test-{s0}"))
-    manifest = {
-        "format_version": shards.FORMAT_VERSION,
-        "layer_convention": shards.LAYER_CONVENTION,
+    record = {
+        "format_version": manifest.FORMAT_VERSION,
+        "layer_convention": manifest.LAYER_CONVENTION,
         "aux_layer_ids": list(aux_ids),
         "final_layer_id": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
@@ -140,7 +139,7 @@ def write_extraction(
         "dtype": "float32",
         "verifier": {
             "path": str(verifier_dir),
-            "config_sha256": sha256_file(verifier_dir / "config.json"),
+            **verifier.identity(verifier_dir),
         },
         "tokenized": {"path": "tokenized_data.jsonl", "sha256": "0" * 64},
         "vocab_size": cfg.vocab_size,
@@ -149,7 +148,7 @@ def write_extraction(
         "shards": entries,
     }
     path = out_dir / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=2))
+    path.write_text(json.dumps(record, indent=2))
     return path
 
 
@@ -157,7 +156,7 @@ def write_vocab_map(path: Path, samples, vocab_size: int, draft_vocab_size: int)
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in samples:
         counts += np.bincount(ids[mask.bool()].numpy(), minlength=vocab_size)
-    d2t, t2d = build_maps(select_vocab(counts, draft_vocab_size), vocab_size)
+    d2t, t2d = map(torch.from_numpy, build_maps(select_vocab(counts, draft_vocab_size), vocab_size))
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"d2t": d2t, "t2d": t2d, "token_counts": torch.from_numpy(counts)}, str(path))
     return path

@@ -1,4 +1,5 @@
-"""The engines that run the verifier for extraction, both writing through ``shards.ShardWriter``.
+"""The engines that run the verifier for extraction, both writing through ``shards.ShardWriter``,
+and the run of the extraction stage over the shards its plan (``extraction.py``) left to compute.
 
 * vLLM: the ``extract_hidden_states`` speculative method with ``ShardHiddenStatesConnector``
   (``hidden_states_connector.py``), which writes each finished request's rows straight into its
@@ -12,8 +13,10 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,12 +26,21 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from workflow_scripts.shards import ShardWriter
+from workflow_scripts.lib import engine
+from workflow_scripts.lib.common import Progress
+from workflow_scripts.lib.engine import cpu_threads, engine_args, engine_in_process
+from workflow_scripts.lib.extraction import (
+    Plan,
+    ShardPlan,
+    read_rows,
+    remember_entry,
+    sample_tensors,
+)
+from workflow_scripts.lib.manifest import FORMAT_VERSION, LAYER_CONVENTION
+from workflow_scripts.lib.shards import TORCH_DTYPES, ShardWriter
 
 log = logging.getLogger("eagle3")
-ROOT = Path(__file__).resolve().parents[1]
-CONNECTOR = "ShardHiddenStatesConnector"
-CONNECTOR_MODULE = "workflow_scripts.hidden_states_connector"
+CONNECTOR = "ShardHiddenStatesConnector"  # the class in hidden_states_connector.py
 
 
 @dataclass
@@ -81,33 +93,29 @@ class Finisher:
 # --------------------------------------------------------------------------- vLLM
 
 
-def vllm_engine_kwargs(
+def vllm_engine_args(
     verifier: Path,
     p,
     dtype: str,
     layer_ids: list[int] | None,
     scratch: Path | None,
 ) -> dict[str, Any]:
-    """LLM(...) arguments from the stage's typed config. ``layer_ids`` None: a plain engine with
+    """vllm.LLM arguments from the extract settings. ``layer_ids`` None: a plain engine with
     the same settings and no extraction (the benchmark's baseline)."""
-    kwargs: dict[str, Any] = dict(
-        model=str(verifier),
+    kwargs = engine_args(
+        p,
+        verifier,
+        dtype,
         skip_tokenizer_init=True,
-        tensor_parallel_size=p.tensor_parallel_size,
-        max_model_len=p.max_model_len_tokens,
-        gpu_memory_utilization=p.gpu_memory_utilization,
-        dtype=dtype,
         enable_prefix_caching=False,  # every sample computed in full, never from another's cache
         max_num_seqs=p.batch_size_samples,
         max_num_batched_tokens=p.batch_budget_tokens,
-        enforce_eager=p.enforce_eager,
         disable_log_stats=True,
-        seed=0,
     )
-    if p.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
     if layer_ids is not None:
         assert scratch is not None
+        from workflow_scripts.lib import hidden_states_connector
+
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -115,63 +123,14 @@ def vllm_engine_kwargs(
         }
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR,
-            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_connector_module_path": hidden_states_connector.__name__,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
         }
     return kwargs
 
 
-def cpu_threads() -> int:
-    """Compute threads on a CPU: all usable cores but one, as vLLM binds its CPU worker. One
-    thread per core at most: an extra thread stalls every parallel op while a core is busy
-    (measured here: 19 s against 1 s for the same transformers run, 2 threads on 2 cores)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def core_in_process(p) -> bool:
-    """Run the engine core (and its single worker) in the driver's process: on a CPU with one
-    worker. Two processes fewer to start (about 10 s here), the same throughput when the
-    threads are set as vLLM sets them for its own worker process (see make_llm)."""
-    return not p.use_gpus and p.tensor_parallel_size == 1
-
-
-def make_llm(kwargs: dict[str, Any], in_process: bool = False):
-    """The engine. ``in_process``: its core and worker run in this process, which then steps
-    it itself; compute threads as vLLM's CPU worker would bind them: one core per worker left
-    to the scheduler (more threads than free cores stall at every parallel op)."""
-    if in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        torch.set_num_threads(cpu_threads())
-    if kwargs.get("kv_transfer_config") and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
-        # vLLM's CPU backend keeps one more core free when a KV connector is configured (for
-        # network transfers); this connector writes from the worker's own thread, so the
-        # extraction engine gets the same cores as a plain one
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(kwargs.get("tensor_parallel_size", 1))
-    # the engine's worker processes import the connector from this package
-    path = os.environ.get("PYTHONPATH", "")
-    if str(ROOT) not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
-    from vllm import LLM
-
-    return LLM(**kwargs)
-
-
-def close_llm(llm, timeout_s: float = 2.0) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
-    except Exception as exc:  # shutting down is best effort
-        log.debug("engine shutdown: %r", exc)
-
-
 MAX_IDLE_STEPS = 100_000
-
-
-def engine_in_process(llm) -> bool:
-    """True when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    return isinstance(llm.llm_engine.engine_core, InprocClient)
 
 
 def _wait_written(hidden_states_path: str, block: bool) -> str | None:
@@ -207,7 +166,7 @@ def run_vllm(
     plain prefill (max_tokens=1) of the same samples."""
     from vllm import SamplingParams
 
-    from workflow_scripts.hidden_states_connector import TARGET_KEY
+    from workflow_scripts.lib.hidden_states_connector import TARGET_KEY
 
     engine = llm.llm_engine
     in_process = engine_in_process(llm)
@@ -354,7 +313,105 @@ class TransformersExtractor:
             on_shard(job)
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.monotonic()
-    result = fn()
-    return result, time.monotonic() - start
+# --------------------------------------------------------------------------- the stage's run
+
+
+def shard_jobs(io, plan: Plan, shards: list[ShardPlan]):
+    """ShardJobs for the backends, reading each shard's samples only when it is reached."""
+    vocab = int(plan.cfg["vocab_size"])
+    for shard in shards:
+        samples = [
+            sample_tensors(io.tokenized, i, row, vocab)
+            for i, row in read_rows(io.tokenized, plan.line_offsets, shard.samples)
+        ]
+        meta = {
+            "fingerprint": shard.fingerprint,
+            "sample_start": str(shard.start),
+            "sample_end": str(shard.end),
+            "skipped_samples": json.dumps(shard.skipped),
+            "aux_layer_ids": json.dumps(plan.aux_ids),
+            "final_layer_id": str(plan.num_layers),
+            "layer_convention": LAYER_CONVENTION,
+            "dtype": plan.dtype,
+            "format_version": str(FORMAT_VERSION),
+        }
+        yield ShardJob(shard.index, shard.path, samples, meta, extra={"plan": shard})
+
+
+def extract(io, p, plan: Plan) -> None:
+    todo = [s for s in plan.todo if s.samples]
+    for s in plan.todo:
+        if not s.samples:  # every sample of it skipped: nothing to compute, nothing to write
+            s.entry = {"file": None}
+    if not todo:
+        return
+    dtype = TORCH_DTYPES[plan.dtype]
+    progress = Progress(
+        f"extract job {io.job_index}",
+        total=sum(len(s.samples) for s in todo),
+        interval_s=p.progress_interval_s,
+        unit="samples",
+    )
+
+    def finish(shard: ShardPlan, writer) -> None:
+        entry = writer.finish()
+        shard.entry = remember_entry(shard.path, entry)
+        log.info(
+            "shard %d done: %d samples, %d tokens, %.1f MiB",
+            shard.index,
+            entry["num_samples"],
+            entry["num_tokens"],
+            entry["bytes"] / 2**20,
+        )
+
+    finisher = Finisher()
+
+    def on_shard(job) -> None:
+        finisher.submit(finish, job.extra["plan"], job.writer)
+
+    def on_sample(tokens: int) -> None:
+        progress.update(1, tokens)
+
+    log.info("loading the verifier %s (%s backend, %s)", io.verifier, p.backend, plan.dtype)
+    try:
+        run_backend(io, p, plan, todo, dtype, progress, on_sample, on_shard)
+        finisher.wait()
+    finally:
+        finisher.close()
+
+
+def run_backend(io, p, plan: Plan, todo, dtype, progress, on_sample, on_shard) -> None:
+    if p.backend == "transformers":
+        extractor = TransformersExtractor(io.verifier, dtype, plan.aux_ids, p.use_gpus)
+        progress.start = time.monotonic()
+        progress.update(0, force=True)
+        extractor.run(shard_jobs(io, plan, todo), plan.hidden_size, dtype, on_sample, on_shard)
+        progress.log()
+    else:
+        scratch = io.shard_dir / f".requests-job{io.job_index}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        layer_list = plan.aux_ids + [plan.num_layers]
+        llm = engine.make_llm(
+            vllm_engine_args(io.verifier, p, plan.dtype, layer_list, scratch),
+            in_process=engine.core_in_process(p),
+        )
+        try:
+            progress.start = time.monotonic()
+            progress.update(0, force=True)
+            run_vllm(
+                llm,
+                shard_jobs(io, plan, todo),
+                batch_size_samples=p.batch_size_samples,
+                batch_budget_tokens=p.batch_budget_tokens,
+                extract=True,
+                num_aux=len(plan.aux_ids),
+                hidden_size=plan.hidden_size,
+                dtype=dtype,
+                on_sample=on_sample,
+                on_shard=on_shard,
+            )
+            progress.log()
+        finally:
+            engine.close_llm(llm)
+            shutil.rmtree(scratch, ignore_errors=True)

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from workflow_scripts.stages import STAGES, StageParams
+from workflow_scripts.lib.definitions import StageParams
+from workflow_scripts.lib.registry import STAGES
 
 
 def flag(name: str) -> str:
@@ -112,9 +113,7 @@ def _validate(model: type[BaseModel], values: dict[str, str], parser: argparse.A
     try:
         return model.model_validate(decoded)
     except ValidationError as exc:
-        parser.error(
-            "; ".join(f"{flag(str(e['loc'][0]))}: {e['msg']}" for e in exc.errors())
-        )
+        parser.error("; ".join(f"{flag(str(e['loc'][0]))}: {e['msg']}" for e in exc.errors()))
 
 
 def parse(stage: str, argv: list[str] | None = None) -> tuple[Any, Any]:

@@ -8,12 +8,14 @@ the newline after an end-of-turn token) is never masked.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
-from workflow_scripts.common import UserError
+from workflow_scripts.lib.common import Progress, UserError
 
 log = logging.getLogger("eagle3")
 MAX_LOGGED_SKIPS = 20  # bad rows logged one by one; the rest are only counted
@@ -136,10 +138,6 @@ def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def end_of_turn_ids(tokenizer) -> list[int]:
     """Token ids that end an assistant turn: the special token the chat template puts right
     after an assistant message (``<|eot_id|>``, ``<|im_end|>``, ...) and the tokenizer's eos."""
@@ -157,3 +155,56 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def tokenize_chat_file(
+    path: Path, tokenizer, max_len: int, on_bad_row: str, out: IO[str], progress: Progress
+) -> dict[str, Any]:
+    """Streams the chat data at ``path`` into ``out`` as tokenized rows ``{"id", "input_ids",
+    "loss_mask"}`` (prepare's output); bad rows fail or are counted (``prepare.on_bad_row``),
+    rows left with no assistant token are always dropped and counted. Returns the counts."""
+    drops: Counter[str] = Counter()
+    rows_in = rows_out = tokens = masked = truncated = 0
+    with open(path, encoding="utf-8") as src:
+        for line_no, line in enumerate(src, start=1):
+            if not line.strip():
+                continue
+            rows_in += 1
+            try:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise BadRow("malformed", f"not valid JSON ({exc.msg})") from None
+                sample = tokenize_conversation(tokenizer, normalize(row), max_len)
+                if not any(sample.loss_mask):
+                    raise BadRow(
+                        "no_assistant_tokens",
+                        "no assistant tokens"
+                        + (" left after truncation" if sample.truncated else ""),
+                    )
+            except BadRow as bad:
+                policy = "skip" if bad.reason == "no_assistant_tokens" else on_bad_row
+                skip_or_fail(drops, bad, f"{path}:{line_no}", policy, "prepare.on_bad_row")
+                progress.update(1)
+                continue
+            row_id = row.get("id", f"line{line_no}")
+            out.write(
+                json.dumps(
+                    {"id": row_id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask},
+                    separators=(",", ":"),
+                )
+                + "\n"
+            )
+            rows_out += 1
+            tokens += len(sample.input_ids)
+            masked += sum(sample.loss_mask)
+            truncated += sample.truncated
+            progress.update(1, len(sample.input_ids))
+    return {
+        "rows_in": rows_in,
+        "rows_out": rows_out,
+        "tokens": tokens,
+        "loss_masked_tokens": masked,
+        "truncated_rows": truncated,
+        "dropped": dict(sorted(drops.items())),
+    }

@@ -1,4 +1,5 @@
-"""regenerate: the verifier writes the assistant turns of the chat data itself (self-distillation).
+"""Regeneration (self-distillation), everything but the entry: the verifier writes the assistant
+turns of the chat data itself.
 
 A draft learns to predict the verifier, and it learns best from text the verifier writes. This
 stage keeps each conversation's system and user messages and has the verifier (real vLLM) answer
@@ -27,27 +28,15 @@ import hashlib
 import json
 import logging
 import re
-import time
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from workflow_scripts import cli
-from workflow_scripts.chat import BadRow, end_of_turn_ids, normalize, prompt_ids, skip_or_fail
-from workflow_scripts.common import (
-    Progress,
-    UserError,
-    atomic_path,
-    format_seconds,
-    run_main,
-    verifier_config,
-    write_json,
-)
-from workflow_scripts.extract import check_devices, check_parallel, resolve_dtype, weight_files
-from workflow_scripts.extract_backends import close_llm, core_in_process, make_llm
-from workflow_scripts.prepare import load_tokenizer
+from workflow_scripts.lib import engine, verifier
+from workflow_scripts.lib.chat import BadRow, normalize, prompt_ids, skip_or_fail
+from workflow_scripts.lib.common import Progress, UserError, atomic_path, read_json
 
 log = logging.getLogger("eagle3")
 SETTING = "regenerate.on_bad_row"
@@ -272,13 +261,7 @@ def fingerprint(io, p, index: Index, dtype: str) -> str:
     key = {
         "format_version": FORMAT_VERSION,
         "input_sha256": index.sha256,
-        "verifier_config": (io.verifier / "config.json").read_text(),
-        "verifier_weights": [(f.name, f.stat().st_size) for f in weight_files(io.verifier)],
-        "tokenizer": [
-            (io.verifier / n).read_text()
-            for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-            if (io.verifier / n).is_file()
-        ],
+        "verifier": verifier.fingerprint(io.verifier),
         "dtype": dtype,
         **p.model_dump(
             include={
@@ -350,101 +333,83 @@ def read_conversations(path: Path, index: Index, indices: range) -> Iterator[Con
 
 
 def make_engine(io, p, dtype: str):
-
-    kwargs: dict[str, Any] = dict(
-        model=str(io.verifier),
-        tensor_parallel_size=p.tensor_parallel_size,
-        max_model_len=p.max_model_len_tokens,
-        gpu_memory_utilization=p.gpu_memory_utilization,
-        dtype=dtype,
+    kwargs = engine.engine_args(
+        p,
+        io.verifier,
+        dtype,
+        seed=p.seed,
         enable_prefix_caching=True,  # a conversation's next turn starts with its previous prompt
         max_num_seqs=p.batch_size_samples,
         max_num_batched_tokens=max(p.batch_budget_tokens, p.max_model_len_tokens),
-        enforce_eager=p.enforce_eager,
         disable_log_stats=True,
-        seed=p.seed,
     )
-    if p.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
-    return make_llm(kwargs, in_process=core_in_process(p))
+    return engine.make_llm(kwargs, in_process=engine.core_in_process(p))
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- merge
+
+RERUN_HINT = "rerun the jobs with: snakemake --forcerun regenerate <target>"
+SHARED = ("fingerprint", "chat_data", "verifier", "num_jobs", "num_batches", "rows_in", "bad_rows")
 
 
-def main() -> None:
-    io, p = cli.parse("regenerate")
-    if not io.chat_data.is_file():
-        raise UserError(f"chat data '{io.chat_data}' does not exist (config key 'chat_data')")
-    cfg = verifier_config(io.verifier)
-    weight_files(io.verifier)
-    check_parallel(cfg, p.tensor_parallel_size, section="regenerate")
-    tokenizer = load_tokenizer(io.verifier)
-    stops = end_of_turn_ids(tokenizer)
-    dtype = resolve_dtype(p, cfg)
+def check_parts(parts: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+    if not parts:
+        raise UserError("no regenerate parts to merge")
+    first_path, first = parts[0]
+    for path, part in parts[1:]:
+        differ = [k for k in SHARED if part.get(k) != first.get(k)]
+        if differ:
+            raise UserError(
+                f"{path} and {first_path} disagree on {', '.join(differ)}: they come from "
+                f"different runs; {RERUN_HINT}"
+            )
+    if first["num_jobs"] != len(parts):
+        raise UserError(f"{len(parts)} parts for num_jobs {first['num_jobs']}; {RERUN_HINT}")
+    owners = Counter(b for _, part in parts for b in part["batches"])
+    if sorted(owners) != list(range(first["num_batches"])) or any(n != 1 for n in owners.values()):
+        raise UserError(f"the parts do not cover batches 0..{first['num_batches'] - 1} once each")
+    return first
 
-    log.info("regenerate: checking %s before the model loads", io.chat_data)
-    index = index_input(io.chat_data, p, tokenizer)
-    usable = len(index.offsets)
-    if usable == 0:
-        raise UserError(
-            f"{io.chat_data}: no usable conversation among {index.rows_in} rows "
-            f"(bad rows: {dict(index.bad) or 'none'})"
-        )
-    B = p.batch_size_samples
-    num_batches = -(-usable // B)
-    if io.job_index >= p.num_jobs:
-        raise UserError(f"job index {io.job_index} is not below regenerate.num_jobs {p.num_jobs}")
-    expected = fingerprint(io, p, index, dtype)
-    mine = list(range(io.job_index, num_batches, p.num_jobs))
-    done = set(clean_work_dir(io.work_dir, expected, num_batches, io.job_index, p.num_jobs))
-    todo = [b for b in mine if b not in done]
-    log.info(
-        "regenerate job %d/%d: %d conversations (%d bad rows %s) in %d batches, %d of them this "
-        "job's; %d finished earlier, %d to do; stop tokens %s",
-        io.job_index, p.num_jobs, usable, sum(index.bad.values()), dict(index.bad), num_batches,
-        len(mine), len(done), len(todo), stops,
-    )  # fmt: skip
 
-    start = time.monotonic()
-    if todo:
-        check_devices(p, section="regenerate")
-        llm = make_engine(io, p, dtype)
-        log.info("regenerate: engine ready after %s", format_seconds(time.monotonic() - start))
-        todo_rows = sum(min(B, usable - b * B) for b in todo)
-        progress = Progress(
-            "regenerate", total=todo_rows, interval_s=p.progress_interval_s, unit="conversations"
-        )
-        progress.update(0, force=True)
-        for b in todo:
-            rows = range(b * B, min(usable, (b + 1) * B))
-            convs = list(read_conversations(io.chat_data, index, rows))
-            counts = answer_batch(llm, tokenizer, p, convs, stops, progress)
-            result = batch_result(p, convs, counts, io.chat_data)
-            with atomic_path(batch_path(io.work_dir, b)) as tmp:
-                tmp.write_text(json.dumps({"fingerprint": expected, **result}, ensure_ascii=False))
-            progress.update(len(convs))
-        progress.log()
-        close_llm(llm)
-    else:
-        log.info("regenerate: nothing to do: the model is not loaded")
-    part = {
-        "fingerprint": expected,
-        "chat_data": str(io.chat_data),
-        "verifier": str(io.verifier),
-        "num_jobs": p.num_jobs,
-        "job_index": io.job_index,
-        "num_batches": num_batches,
-        "batches": mine,
-        "batches_reused": len(done),
-        "rows_in": index.rows_in,
-        "bad_rows": dict(sorted(index.bad.items())),
-        "seconds": round(time.monotonic() - start, 1),
-        "params": p.model_dump(mode="json"),
+def merge(io) -> dict[str, Any]:
+    """Writes the regenerated chat data (``io.regenerated``) in input order; returns the stats."""
+    parts = [(path, read_json(path)) for path in io.parts]
+    first = check_parts(parts)
+    stats: Counter = Counter()
+    bad: Counter = Counter(first["bad_rows"])
+    with atomic_path(io.regenerated) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for b in range(first["num_batches"]):
+            path = batch_path(io.work_dir, b)
+            batch = load_batch(path, first["fingerprint"])
+            if batch is None:
+                raise UserError(f"{path}: missing, cut short or from another run; {RERUN_HINT}")
+            for row in batch["rows"]:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            stats.update(batch["stats"])
+            bad.update(batch["bad"])
+        if stats["rows_out"] == 0:
+            raise UserError(
+                f"{first['chat_data']}: no conversation left after regeneration among "
+                f"{first['rows_in']} rows (bad rows: {dict(bad) or 'none'}, dropped at the length "
+                f"limit: {stats['dropped_length_limited']})"
+            )
+    return {
+        "chat_data": first["chat_data"],
+        "verifier": first["verifier"],
+        "rows_in": first["rows_in"],
+        "rows_out": stats["rows_out"],
+        "bad_rows": dict(sorted(bad.items())),
+        "turns": stats["turns"],
+        "empty_answers": stats["empty_answers"],
+        "length_limited_turns": stats["length_limited_turns"],
+        "length_limited_conversations": stats["length_limited_conversations"],
+        "dropped_length_limited": stats["dropped_length_limited"],
+        "context_full_conversations": stats["context_full_conversations"],
+        "prompt_tokens": stats["prompt_tokens"],
+        "generated_tokens": stats["generated_tokens"],
+        "batches": first["num_batches"],
+        "batches_reused": sum(part["batches_reused"] for _, part in parts),
+        "jobs": first["num_jobs"],
+        "job_seconds": [part["seconds"] for _, part in parts],
+        "params": first["params"],
     }
-    write_json(io.part, part)
-    log.info("regenerate job %d: %d batches -> %s", io.job_index, len(mine), io.part)
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -123,16 +123,3 @@ def read_json(path: Path | str) -> Any:
         raise UserError(f"{path}: file not found") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
-
-
-def verifier_config(verifier_dir: Path | str) -> dict[str, Any]:
-    """The verifier's config.json, checked for what every stage needs."""
-    path = Path(verifier_dir) / "config.json"
-    cfg = read_json(path)
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in cfg]
-    if missing and "text_config" in cfg:  # multimodal wrappers keep the LLM's config inside
-        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in cfg]
-    if missing:
-        raise UserError(f"{path}: missing {', '.join(missing)}; is this a causal LM config?")
-    return cfg

@@ -1,26 +1,24 @@
-"""vocab: tokenized data -> the draft vocabulary map.
+"""The draft vocabulary map: the ``draft_vocab_size`` most frequent loss-masked tokens.
 
-Counts loss-masked tokens only, keeps the ``draft_vocab_size`` most frequent (ties broken by the
-lower token id; tokens never seen fill up by lowest id), sorted by token id, and writes:
+Counts loss-masked tokens only, keeps the most frequent (ties broken by the lower token id;
+tokens never seen fill up by lowest id), sorted by token id. The map file (safetensors) holds:
 
 * ``d2t`` int64 [K]: offsets, target id = i + d2t[i] (what vLLM reads),
 * ``t2d`` bool [V]: which verifier tokens are in the draft vocabulary,
 * ``token_counts`` int64 [V]: the loss-masked counts the choice was made from.
+
+numpy only (no torch): the vocab job is small and starts fast.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 
-from workflow_scripts import cli
-from workflow_scripts.common import UserError, atomic_path, run_main, verifier_config, write_json
-
-log = logging.getLogger("eagle3")
+from workflow_scripts.lib.common import UserError, atomic_path
 
 
 def count_masked_tokens(path, vocab_size: int) -> tuple[np.ndarray, int]:
@@ -47,50 +45,30 @@ def select_vocab(counts: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
-def build_maps(selected: np.ndarray, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    d2t = torch.from_numpy(selected - np.arange(selected.size)).to(torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[torch.from_numpy(selected)] = True
+def build_maps(selected: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t int64 [K], t2d bool [V]) for the selected token ids (ascending)."""
+    d2t = (selected - np.arange(selected.size)).astype(np.int64)
+    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d[selected] = True
     return d2t, t2d
 
 
-def main() -> None:
-    io, p = cli.parse("vocab")
-    vocab_size = int(verifier_config(io.verifier)["vocab_size"])
-    k = p.draft_vocab_size
-    if k > vocab_size:
-        log.warning(
-            "vocab.draft_vocab_size %d exceeds the verifier's vocabulary (%d): using %d",
-            k,
-            vocab_size,
-            vocab_size,
-        )
-        k = vocab_size
-    counts, rows = count_masked_tokens(io.tokenized, vocab_size)
-    if rows == 0:
-        raise UserError(f"{io.tokenized} is empty: nothing to count")
+def write_vocab_map(path: Path | str, counts: np.ndarray, k: int) -> dict[str, float | int]:
+    """Selects the draft vocabulary of ``k`` tokens from ``counts`` and writes the map file
+    atomically; returns how much of the counted tokens it covers."""
+    vocab_size = counts.size
     selected = select_vocab(counts, k)
     d2t, t2d = build_maps(selected, vocab_size)
-    total = int(counts.sum())
-    covered = int(counts[selected].sum())
-    with atomic_path(io.vocab_map) as tmp:
+    with atomic_path(path) as tmp:
         save_file(
-            {"d2t": d2t, "t2d": t2d, "token_counts": torch.from_numpy(counts)},
+            {"d2t": d2t, "t2d": t2d, "token_counts": counts.astype(np.int64)},
             str(tmp),
             metadata={"draft_vocab_size": str(k), "verifier_vocab_size": str(vocab_size)},
         )
-    stats = {
-        "rows": rows,
-        "verifier_vocab_size": vocab_size,
-        "draft_vocab_size": k,
-        "requested_draft_vocab_size": p.draft_vocab_size,
+    total = int(counts.sum())
+    covered = int(counts[selected].sum())
+    return {
         "loss_masked_tokens": total,
         "distinct_loss_masked_tokens": int((counts > 0).sum()),
         "coverage": covered / total if total else 0.0,
     }
-    write_json(io.stats, stats)
-    log.info("vocab: done: %s", json.dumps(stats))
-
-
-if __name__ == "__main__":
-    run_main(main)

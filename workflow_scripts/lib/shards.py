@@ -16,7 +16,7 @@ layers, dtype, sample range) and ``sample_start``. ``ShardWriter`` streams a sha
 file up front (the token count of every sample is known before extraction), writes token ids,
 loss mask and offsets at once, and each sample's hidden-state rows when they arrive, possibly from
 another process (the vLLM worker, see ``hidden_states_connector.py``); the file gets its final
-name only when every sample is in. A manifest (JSON) lists the shards with sample
+name only when every sample is in. The manifest (``manifest.py``) lists the shards with sample
 and token counts and a sha256 each, plus the layer ids, convention, dtype and verifier identity;
 downstream rules depend on the manifest only.
 """
@@ -28,25 +28,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workflow_scripts.common import UserError, atomic_path, sha256_file
+from workflow_scripts.lib.common import atomic_path, sha256_file
 
-FORMAT_VERSION = 1
-LAYER_CONVENTION = (
-    "vllm: aux id k is the input of decoder layer k (HF hidden_states[k]); "
-    "final_hidden_states is the output of the last layer before the final norm"
-)
-# Shards are no rule's output (so Snakemake never deletes them): a shard lost after extraction
-# is recomputed by forcing the extraction jobs, which reuse every shard still in place.
-RERUN_HINT = (
-    "rerun extraction with `snakemake --forcerun extract <target>`: shards still in place "
-    "are reused, only the missing ones are computed"
-)
 TENSORS = ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask", "sample_offsets")
 
 
@@ -60,10 +48,6 @@ class SampleStates:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
-
-
-def shard_name(index: int) -> str:
-    return f"shard_{index:06d}.safetensors"
 
 
 def write_shard(path: Path, samples: list[SampleStates], sample_start: int, fingerprint: str):
@@ -121,33 +105,6 @@ class ShardReader:
 
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
-
-
-def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
-    """Read a manifest, check every shard exists (and its checksum, if asked); shard paths in
-    the result are absolute."""
-    path = Path(path)
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read extraction manifest {path}: {exc}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"{path}: format_version {manifest.get('format_version')!r}, expected "
-            f"{FORMAT_VERSION}; rerun extraction"
-        )
-    base = path.parent
-    for entry in manifest["shards"]:
-        shard = (base / entry["file"]).resolve()
-        entry["path"] = str(shard)
-        if not shard.is_file():
-            raise UserError(f"{path}: shard {shard} is missing; {RERUN_HINT}")
-        if verify_checksums and sha256_file(shard) != entry["sha256"]:
-            raise UserError(
-                f"{path}: shard {shard} does not match its checksum (corrupt or overwritten); "
-                f"delete it and {RERUN_HINT}"
-            )
-    return manifest
 
 
 # --------------------------------------------------------------------------- streaming writer

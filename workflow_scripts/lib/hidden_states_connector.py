@@ -17,7 +17,7 @@ writes ``ok <num_tokens>`` into it before releasing it (anything else means fail
   as in the stock connector.
 
 Load it with ``kv_transfer_config = {"kv_connector": "ShardHiddenStatesConnector",
-"kv_connector_module_path": "workflow_scripts.hidden_states_connector", "kv_role":
+"kv_connector_module_path": "workflow_scripts.lib.hidden_states_connector", "kv_role":
 "kv_producer", "kv_connector_extra_config": {"shared_storage_path": <scratch dir for locks>}}``.
 
 The layer ids passed to vLLM must be ascending with the final layer (id N) last: vLLM collects the
@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -42,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from workflow_scripts.shards import write_sample_rows
+from workflow_scripts.lib.shards import write_sample_rows
 
 logger = init_logger(__name__)
 

@@ -1,22 +1,64 @@
-"""extract_merge: the extraction jobs' part manifests -> one manifest of all shards.
+"""The extraction manifest: what the extraction jobs' parts record, merged into the one file
+that training depends on. No torch here: the merge job is small and starts fast.
 
-Checks that the parts agree (same data, verifier, layers, dtype, shard size and job count), that
-every shard index appears exactly once and that every shard file is there with the size its part
-recorded. Shard paths in the manifest are relative to the manifest's directory.
+A part (one per extraction job) and the manifest hold the layer ids and convention, the dtype,
+the verifier's identity, the tokenized data's sha256, and one entry per shard: file (relative to
+the part's or manifest's directory), sample range, sample and token counts, bytes and sha256.
+The shard format itself is described in ``shards.py``.
 """
 
 from __future__ import annotations
 
-import logging
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-from workflow_scripts import cli
-from workflow_scripts.common import UserError, read_json, run_main, write_json
-from workflow_scripts.shards import FORMAT_VERSION, RERUN_HINT
+from workflow_scripts.lib.common import UserError, sha256_file
 
-log = logging.getLogger("eagle3")
+FORMAT_VERSION = 1
+LAYER_CONVENTION = (
+    "vllm: aux id k is the input of decoder layer k (HF hidden_states[k]); "
+    "final_hidden_states is the output of the last layer before the final norm"
+)
+# Shards are no rule's output (so Snakemake never deletes them): a shard lost after extraction
+# is recomputed by forcing the extraction jobs, which reuse every shard still in place.
+RERUN_HINT = (
+    "rerun extraction with `snakemake --forcerun extract <target>`: shards still in place "
+    "are reused, only the missing ones are computed"
+)
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:06d}.safetensors"
+
+
+def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
+    """Read a manifest, check every shard exists (and its checksum, if asked); shard paths in
+    the result are absolute."""
+    path = Path(path)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read extraction manifest {path}: {exc}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"{path}: format_version {manifest.get('format_version')!r}, expected "
+            f"{FORMAT_VERSION}; rerun extraction"
+        )
+    base = path.parent
+    for entry in manifest["shards"]:
+        shard = (base / entry["file"]).resolve()
+        entry["path"] = str(shard)
+        if not shard.is_file():
+            raise UserError(f"{path}: shard {shard} is missing; {RERUN_HINT}")
+        if verify_checksums and sha256_file(shard) != entry["sha256"]:
+            raise UserError(
+                f"{path}: shard {shard} does not match its checksum (corrupt or overwritten); "
+                f"delete it and {RERUN_HINT}"
+            )
+    return manifest
+
 
 # keys of a part that are per job, not shared by all parts
 PER_JOB = {
@@ -31,7 +73,7 @@ PER_JOB = {
 }
 
 
-def merge(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -> dict[str, Any]:
+def merge_parts(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -> dict[str, Any]:
     if not parts:
         raise UserError("no part manifests to merge")
     first_path, first = parts[0]
@@ -93,23 +135,3 @@ def merge(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -> dict
             "no sample was extracted (all too long?); raise extract.max_model_len_tokens"
         )
     return manifest
-
-
-def main() -> None:
-    io, _ = cli.parse("extract_merge")
-    parts = [(Path(p), read_json(p)) for p in io.parts]
-    manifest = merge(parts, Path(io.manifest))
-    write_json(io.manifest, manifest)
-    log.info(
-        "manifest: %d shards, %d samples, %d tokens (%d skipped as too long), %.2f GiB -> %s",
-        len(manifest["shards"]),
-        manifest["num_samples"],
-        manifest["num_tokens"],
-        manifest["num_skipped_too_long"],
-        manifest["bytes"] / 2**30,
-        io.manifest,
-    )
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,20 +1,9 @@
-"""demo: the embedded default, built offline: chat data, a tokenizer and a tiny Llama verifier.
+"""The embedded default's verifier: a byte-level BPE tokenizer with Llama-3 special tokens and
+chat template, and a small ``LlamaForCausalLM`` trained on the assistant tokens of the generated
+conversations (``demo_data``), checked by greedy generation on the held-out prompts and written
+as a Hugging Face model directory.
 
-1. Generates ``chat_data.jsonl`` (rule-based multi-turn conversations, see ``demo_data``) and
-   ``eval_prompts.jsonl`` (held-out prompts with their expected answers under ``reference``).
-2. Trains a byte-level BPE tokenizer on the data with Llama-3 special tokens and chat template.
-3. Trains a small ``LlamaForCausalLM`` on the assistant tokens (the same mask that ``prepare``
-   builds), with conversations packed into rows, and checks it by greedy generation on the
-   held-out prompts (the accuracy is logged and written to ``demo_report.json``).
-4. Writes the verifier directory (float32 safetensors, config, generation config, tokenizer)
-   under a temporary name and renames it when complete.
-
-The same seed gives byte-identical data and tokenizer files on any machine, and an identical
-verifier directory on the same kind of CPU with the same software versions (on this project's
-machines, also with 1 or 2 threads). The verifier trains on the first train_steps x train_batch_size_samples
-conversations of the generator's stream, which begins with chat_data and goes on with fresh
-conversations (with the defaults, eight times as many as chat_data holds), so that it learns the
-rules rather than the examples.
+torch and transformers are imported by the functions that need them.
 """
 
 from __future__ import annotations
@@ -22,21 +11,19 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from workflow_scripts import cli
-from workflow_scripts.chat import prompt_ids
-from workflow_scripts.common import UserError, atomic_path, format_seconds, run_main, write_json
-from workflow_scripts.demo_data import (
-    dumps_jsonl,
-    generate_conversations,
-    generate_eval_prompts,
-    iter_conversations,
+from workflow_scripts.lib.chat import prompt_ids
+from workflow_scripts.lib.common import (
+    UserError,
+    atomic_path,
+    format_seconds,
+    write_json,
 )
+from workflow_scripts.lib.demo_data import dumps_jsonl
 
 log = logging.getLogger("eagle3")
 
@@ -84,7 +71,15 @@ EVAL_BATCH_PROMPTS = 64
 def build_tokenizer(rows: list[dict], vocab_size: int):
     """A byte-level BPE tokenizer trained on the conversations, as a transformers fast
     tokenizer with Llama-3 special tokens (appended after the learnt vocabulary) and template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -144,7 +139,7 @@ def save_tokenizer(tokenizer, out_dir: Path) -> None:
 
 def encode_conversation(tokenizer, row: dict) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of a conversation, with the mask ``prepare`` builds."""
-    from workflow_scripts.chat import tokenize_conversation
+    from workflow_scripts.lib.chat import tokenize_conversation
 
     sample = tokenize_conversation(tokenizer, row["messages"], MAX_POSITION_EMBEDDINGS)
     if sample.truncated:
@@ -417,75 +412,3 @@ def write_verifier(model, tokenizer, out_dir: Path, report: dict) -> None:
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(dumps_jsonl(rows), encoding="utf-8")
-
-
-def main() -> None:
-    io, p = cli.parse("demo")
-    # Threads that wait passively: with active waiting (the OpenMP default), a CPU shared with
-    # other jobs made training several times slower than with one thread.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
-
-    for path in (io.verifier, io.chat_data, io.eval_prompts):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(path.parent, os.W_OK):
-            raise UserError(f"cannot write {path}: {path.parent} is not writable")
-
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    t0 = time.monotonic()
-    log.info(
-        "demo: seed %d, %d conversations, %d held-out prompts, %d threads",
-        p.seed,
-        p.num_conversations,
-        p.num_eval_prompts,
-        threads,
-    )
-
-    rows = generate_conversations(p.seed, p.num_conversations)
-    try:
-        eval_rows = generate_eval_prompts(p.seed, p.num_eval_prompts)
-    except ValueError as exc:
-        raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
-    tokenizer = build_tokenizer(rows, p.tokenizer_vocab_size)
-    log.info(
-        "demo: generated the data and a tokenizer of %d tokens in %.1fs",
-        len(tokenizer),
-        time.monotonic() - t0,
-    )
-
-    # The verifier learns the rules from the generator's stream of conversations, which begins
-    # with chat_data and goes on with fresh ones, so that it generalises instead of memorising.
-    # None of them contains a held-out prompt.
-    model, train_report = train_verifier(p, tokenizer, iter_conversations(p.seed))
-    eval_report = evaluate(model, tokenizer, eval_rows)
-    log.info(
-        "demo: held-out prompts answered exactly right: %.1f%% of %d; by family: %s",
-        100 * eval_report["exact_match"],
-        len(eval_rows),
-        ", ".join(f"{f} {v:.0%}" for f, v in eval_report["exact_match_by_family"].items()),
-    )
-    for bad in eval_report["examples_wrong"][:5]:
-        log.info(
-            "demo: wrong: %r -> %r (expected %r)", bad["prompt"], bad["answer"], bad["reference"]
-        )
-
-    report = {
-        "params": p.model_dump(),
-        "train": train_report,
-        "eval": eval_report,
-    }
-    write_jsonl(io.chat_data, rows)
-    write_jsonl(io.eval_prompts, eval_rows)
-    write_verifier(model, tokenizer, io.verifier, report)
-    log.info(
-        "demo: done in %s: %s, %s, %s",
-        format_seconds(time.monotonic() - t0),
-        io.verifier,
-        io.chat_data,
-        io.eval_prompts,
-    )
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,7 +1,7 @@
 """config.yaml: its typed model, validation with helpful errors, and its JSON schema.
 
-``python -m workflow_scripts.config --schema`` prints the schema (also kept as
-``config.schema.json``); ``python -m workflow_scripts.config config.yaml`` validates a file.
+``python -m workflow_scripts.lib.config --schema`` prints the schema (also kept as
+``config.schema.json``); ``python -m workflow_scripts.lib.config config.yaml`` validates a file.
 """
 
 from __future__ import annotations
@@ -13,21 +13,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from workflow_scripts.stages import (
-    DemoParams,
-    EvaluateParams,
-    ExtractParams,
-    PrepareParams,
-    RegenerateParams,
-    TrainParams,
-    VocabParams,
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
 )
 
+from workflow_scripts.lib.registry import STAGES
 
-class WorkflowConfig(BaseModel):
-    """The whole of config.yaml."""
+
+class _TopLevel(BaseModel):
+    """config.yaml's keys that are no stage's: the inputs and where results go."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -47,22 +46,29 @@ class WorkflowConfig(BaseModel):
         "held-out prompts, or the last conversations' first user turns of chat_data.",
     )
     results_dir: str = Field("results", description="Where every output of the workflow goes.")
-    demo: DemoParams = Field(default_factory=DemoParams)
-    regenerate: RegenerateParams = Field(default_factory=RegenerateParams)
-    prepare: PrepareParams = Field(default_factory=PrepareParams)
-    vocab: VocabParams = Field(default_factory=VocabParams)
-    extract: ExtractParams = Field(default_factory=ExtractParams)
-    train: TrainParams = Field(default_factory=TrainParams)
-    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
 
     @model_validator(mode="after")
-    def _eval_prompts_with_own_data(self) -> "WorkflowConfig":
+    def _eval_prompts_with_own_data(self):
         if self.chat_data is not None and self.eval_prompts is None:
             raise ValueError(
                 "config key 'eval_prompts' is required when 'chat_data' is set: name a JSONL of "
                 "held-out prompts (rows with 'messages' ending in a user turn, or 'prompt')"
             )
         return self
+
+
+# The whole of config.yaml: the top-level keys, then one section per stage with parameters
+# (the stage's typed definition, defaults filled in), in pipeline order.
+WorkflowConfig = create_model(
+    "WorkflowConfig",
+    __base__=_TopLevel,
+    __doc__="The whole of config.yaml.",
+    **{
+        spec.config_key: (spec.params, Field(default_factory=spec.params))
+        for spec in STAGES.values()
+        if spec.config_key is not None
+    },
+)
 
 
 class ConfigError(ValueError):

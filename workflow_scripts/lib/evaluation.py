@@ -1,0 +1,122 @@
+"""Evaluation, everything but the entry: the held-out prompts, one vLLM engine per speculator
+run in a child process of its own, and the figures read from vLLM's own counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+from workflow_scripts.lib.chat import BadRow, normalize, prompt_ids
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.engine import make_llm
+
+log = logging.getLogger("eagle3")
+
+
+def load_prompts(path: Path, tokenizer, limit: int | None) -> list[dict[str, Any]]:
+    """Rows with 'messages' ending in a user turn, or a 'prompt' string; template applied."""
+    prompts = []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+                    messages = [{"role": "user", "content": row["prompt"]}]
+                else:
+                    messages = normalize(row)
+                if messages[-1]["role"] != "user":
+                    raise BadRow("malformed", "the last message must be a user turn")
+            except (json.JSONDecodeError, BadRow) as exc:
+                raise UserError(f"{path}:{line_no}: not a usable prompt: {exc}") from None
+            ids = prompt_ids(tokenizer, messages)
+            prompts.append({"id": row.get("id", f"line{line_no}"), "prompt_token_ids": ids})
+            if limit and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise UserError(f"{path}: no prompts")
+    return prompts
+
+
+def _counter(metrics, name: str) -> float:
+    return float(sum(m.value for m in metrics if m.name == name and hasattr(m, "value")))
+
+
+def _vector(metrics, name: str) -> list[int]:
+    total: list[int] = []
+    for m in metrics:
+        if m.name == name and hasattr(m, "values"):
+            total = [a + b for a, b in zip(total, m.values)] if total else list(m.values)
+    return total
+
+
+def run_engine(job: dict[str, Any], out_path: str) -> None:
+    """One engine, one configuration, in a child process; results to ``out_path`` (JSON)."""
+    from vllm import SamplingParams
+
+    # one CPU worker: the engine core runs in this process (see engine.make_llm)
+    llm = make_llm(job["engine"], in_process=job["cpu"])
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in job["prompts"]]
+    # warm-up: one short request, so that start-up cost is not counted as generation time
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    before = llm.get_metrics()
+    results = {}
+    for name, temperature in job["runs"]:
+        params = SamplingParams(
+            max_tokens=job["max_new_tokens"], temperature=temperature, seed=job["seed"]
+        )
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        after = llm.get_metrics()
+        drafts = _counter(after, "vllm:spec_decode_num_drafts") - _counter(
+            before, "vllm:spec_decode_num_drafts"
+        )
+        accepted = _counter(after, "vllm:spec_decode_num_accepted_tokens") - _counter(
+            before, "vllm:spec_decode_num_accepted_tokens"
+        )
+        draft_tokens = _counter(after, "vllm:spec_decode_num_draft_tokens") - _counter(
+            before, "vllm:spec_decode_num_draft_tokens"
+        )
+        per_pos_after = _vector(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        per_pos_before = _vector(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        per_pos = [
+            a - (per_pos_before[i] if i < len(per_pos_before) else 0)
+            for i, a in enumerate(per_pos_after)
+        ]
+        before = after
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results[name] = {
+            "temperature": temperature,
+            "generation_s": elapsed,
+            "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / elapsed,
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
+            "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+        }
+    Path(out_path).write_text(json.dumps(results))
+
+
+def run_in_child(job: dict[str, Any], scratch: Path, name: str) -> dict[str, Any]:
+    out = scratch / f"{name}.json"
+    proc = mp.get_context("spawn").Process(target=run_engine, args=(job, str(out)))
+    log.info("evaluate: starting engine '%s'", name)
+    start = time.perf_counter()
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not out.exists():
+        raise UserError(
+            f"vLLM engine '{name}' failed (exit code {proc.exitcode}); see the log above"
+        )
+    log.info("evaluate: engine '%s' done in %.0f s", name, time.perf_counter() - start)
+    return json.loads(out.read_text())

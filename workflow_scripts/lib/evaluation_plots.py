@@ -1,0 +1,82 @@
+"""The evaluation's plots: acceptance per draft position, the draft against n-gram, and the
+training curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    runs = {k: v for k, v in results["runs"].items() if v["num_drafts"]}
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(len(runs), 1)
+    for i, (name, run) in enumerate(runs.items()):
+        rates = run["acceptance_rate_per_position"]
+        ax.bar(
+            [p + 1 + (i - (len(runs) - 1) / 2) * width for p in range(len(rates))],
+            rates,
+            width=width,
+            label=f"{name} (mean acceptance length {run['mean_acceptance_length']:.2f})",
+        )
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance per draft position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot_dir / "acceptance_per_position.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(runs)
+    axes[0].bar(names, [runs[n]["mean_acceptance_length"] for n in names], color="tab:blue")
+    axes[0].set_ylabel("mean acceptance length")
+    axes[0].set_title(
+        f"k = {results['num_speculative_tokens']} (max {results['num_speculative_tokens'] + 1})"
+    )
+    all_runs = results["runs"]
+    axes[1].bar(
+        list(all_runs), [r["output_tokens_per_s"] for r in all_runs.values()], color="tab:green"
+    )
+    axes[1].set_ylabel("output tokens/s")
+    axes[1].set_title("Throughput")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(plot_dir / "draft_vs_ngram.png", dpi=120)
+    plt.close(fig)
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split", "train") == "train" and "loss" in r]
+    val = [r for r in rows if r.get("split") == "val" and "loss" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for series, label in ((train, "train"), (val, "held-out")):
+        if series:
+            axes[0].plot([r["step"] for r in series], [r["loss"] for r in series], label=label)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("loss (forward KL)")
+    axes[0].legend()
+    source = val or train
+    if source and "top1_agreement" in source[-1]:
+        for k in range(len(source[-1]["top1_agreement"])):
+            axes[1].plot(
+                [r["step"] for r in source],
+                [r["top1_agreement"][k] for r in source],
+                label=f"TTT step {k}",
+            )
+        axes[1].set_ylim(0, 1)
+        axes[1].legend()
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel(f"top-1 agreement with the verifier ({'held-out' if val else 'train'})")
+    fig.tight_layout()
+    fig.savefig(plot_dir / "training_curves.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,127 @@
+"""evaluate: the trained draft under real vLLM speculative decoding, against no draft and n-gram.
+
+For the held-out prompts (chat template applied) it runs the verifier in vLLM three times, each
+engine in its own process: without speculation, with the EAGLE-3 draft, and with vLLM's n-gram
+(prompt lookup) speculator; greedy, and optionally also at a sampled temperature. From vLLM's own
+counters it records mean acceptance length and the acceptance rate per draft position; from
+wall-clock around ``generate`` the output tokens/s. Greedy outputs with a speculator must equal
+the outputs without: every mismatch is listed. Writes a JSON file and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from workflow_scripts.lib import cli, engine, verifier
+from workflow_scripts.lib.common import (
+    UserError,
+    atomic_path,
+    read_json,
+    run_main,
+    write_json,
+)
+from workflow_scripts.lib.evaluation import load_prompts, run_in_child
+from workflow_scripts.lib.evaluation_plots import plot
+
+log = logging.getLogger("eagle3")
+
+
+def main() -> None:
+    io, p = cli.parse("evaluate")
+    draft_cfg = read_json(io.draft / "config.json")
+    if draft_cfg.get("speculators_model_type") != "eagle3":
+        raise UserError(f"{io.draft}/config.json is not an EAGLE-3 speculators checkpoint")
+    tokenizer = verifier.load_tokenizer(io.verifier)
+    prompts = load_prompts(io.eval_prompts, tokenizer, p.max_prompts)
+    log.info("evaluate: %d prompts from %s", len(prompts), io.eval_prompts)
+
+    dtype = engine.resolve_dtype(p, verifier.verifier_config(io.verifier))
+    engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
+    k = p.num_speculative_tokens
+    speculators = {
+        "baseline": None,
+        "eagle3": {"method": "eagle3", "model": str(io.draft), "num_speculative_tokens": k},
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": p.ngram_prompt_lookup_max,
+            "prompt_lookup_min": p.ngram_prompt_lookup_min,
+        },
+    }
+    runs = [("greedy", 0.0)]
+    if p.sampled_temperature is not None:
+        runs.append((f"temperature_{p.sampled_temperature:g}", p.sampled_temperature))
+
+    results: dict[str, Any] = {"runs": {}}
+    scratch = io.results.parent / f".{io.results.name}.engines"
+    scratch.mkdir(parents=True, exist_ok=True)
+    outputs: dict[str, list] = {}
+    for name, spec in speculators.items():
+        job = {
+            "engine": {**engine_args, **({"speculative_config": spec} if spec else {})},
+            "prompts": prompts,
+            "runs": runs,
+            "max_new_tokens": p.max_new_tokens,
+            "seed": 0,
+            "cpu": engine.core_in_process(p),
+        }
+        for run_name, run in run_in_child(job, scratch, name).items():
+            key = name if run_name == "greedy" else f"{name}@{run_name}"
+            outputs[key] = run.pop("outputs")
+            results["runs"][key] = run
+    for path in scratch.iterdir():
+        path.unlink()
+    scratch.rmdir()
+
+    mismatches = {}
+    for name in ("eagle3", "ngram"):
+        differ = [
+            prompts[i]["id"]
+            for i, (a, b) in enumerate(zip(outputs["baseline"], outputs[name]))
+            if a != b
+        ]
+        mismatches[name] = differ
+        if differ:
+            log.warning(
+                "evaluate: greedy outputs with %s differ from the verifier's alone for %d of %d "
+                "prompts: %s",
+                name,
+                len(differ),
+                len(prompts),
+                ", ".join(map(str, differ[:10])),
+            )
+    base_tps = results["runs"]["baseline"]["output_tokens_per_s"]
+    eagle, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
+    results.update(
+        {
+            "verifier": str(io.verifier),
+            "draft": str(io.draft),
+            "eval_prompts": str(io.eval_prompts),
+            "num_prompts": len(prompts),
+            "num_speculative_tokens": k,
+            "max_new_tokens": p.max_new_tokens,
+            "greedy_mismatches": mismatches,
+            "greedy_lossless": not any(mismatches.values()),
+            "summary": {
+                "eagle3_mean_acceptance_length": eagle["mean_acceptance_length"],
+                "ngram_mean_acceptance_length": ngram["mean_acceptance_length"],
+                "eagle3_over_ngram": (
+                    eagle["mean_acceptance_length"] / ngram["mean_acceptance_length"]
+                    if eagle["mean_acceptance_length"] and ngram["mean_acceptance_length"]
+                    else None
+                ),
+                "eagle3_speedup": eagle["output_tokens_per_s"] / base_tps,
+                "ngram_speedup": ngram["output_tokens_per_s"] / base_tps,
+            },
+        }
+    )
+    with atomic_path(io.plot_dir) as tmp_dir:
+        plot(results, io.metrics, tmp_dir)
+    write_json(io.results, results)
+    log.info("evaluate: %s", json.dumps(results["summary"]))
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,37 @@
+"""extract_merge: the extraction jobs' part manifests -> one manifest of all shards.
+
+``manifest.merge_parts`` checks that the parts agree (same data, verifier, layers, dtype, shard size and job count), that
+every shard index appears exactly once and that every shard file is there with the size its part
+recorded. Shard paths in the manifest are relative to the manifest's directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.common import read_json, run_main, write_json
+from workflow_scripts.lib.manifest import merge_parts
+
+log = logging.getLogger("eagle3")
+
+
+def main() -> None:
+    io, _ = cli.parse("extract_merge")
+    parts = [(Path(p), read_json(p)) for p in io.parts]
+    manifest = merge_parts(parts, Path(io.manifest))
+    write_json(io.manifest, manifest)
+    log.info(
+        "manifest: %d shards, %d samples, %d tokens (%d skipped as too long), %.2f GiB -> %s",
+        len(manifest["shards"]),
+        manifest["num_samples"],
+        manifest["num_tokens"],
+        manifest["num_skipped_too_long"],
+        manifest["bytes"] / 2**30,
+        io.manifest,
+    )
+
+
+if __name__ == "__main__":
+    run_main(main)

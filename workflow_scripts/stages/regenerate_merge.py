@@ -1,0 +1,29 @@
+"""regenerate_merge: the regenerate jobs' batches -> one chat dataset, in input order, and stats.
+
+``regeneration.merge`` checks that the parts come from one run (same fingerprint, batch count and
+job count), that every batch is some job's exactly once, and that every batch file is there
+with that fingerprint. The batch files stay where they are: they are what this step reads, and a
+restarted regenerate job reuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.common import run_main, write_json
+from workflow_scripts.lib.regeneration import merge
+
+log = logging.getLogger("eagle3")
+
+
+def main() -> None:
+    io, _ = cli.parse("regenerate_merge")
+    stats = merge(io)
+    write_json(io.stats, stats)
+    log.info("regenerate_merge: %s", json.dumps({k: v for k, v in stats.items() if k != "params"}))
+
+
+if __name__ == "__main__":
+    run_main(main)
