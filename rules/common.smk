@@ -1,24 +1,57 @@
-# Config loading and validation, paths, and the command lines that the stages' jobs run.
+# Config loading and validation, the checks against the verifier, paths, and what each stage's
+# rules record and run.
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
 import yaml
 
 from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
+from snakemake.settings.types import DeploymentMethod
 
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
 from workflow_scripts.lib import cli as _cli
+from workflow_scripts.lib import preflight
 from workflow_scripts.lib.code_inputs import closure_files
+from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.config import ConfigError, load_config
+from workflow_scripts.lib.definitions import EngineSettings
+from workflow_scripts.lib.engine import resolve_dtype
 from workflow_scripts.lib.registry import STAGES
+from workflow_scripts.lib.verifier import verifier_config
 
 try:
     CFG = load_config(config)
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
+
+# Every check that needs only the config and the verifier's files runs now, at dry-run, when
+# the verifier is on disk (a verifier named in the config; the embedded default's is built by
+# the workflow and checked by its jobs). The jobs run the same checks again before their models
+# load. VERIFIER_CFG: the verifier's config.json ({} for the embedded default, a float32 Llama).
+VERIFIER_CFG = {}
+if CFG.verifier is not None:
+    if not Path(CFG.verifier).is_dir():
+        raise WorkflowError(
+            f"config key 'verifier': {CFG.verifier} is not a directory (a Hugging Face model "
+            "directory with config.json, weights and tokenizer)"
+        )
+    try:
+        _warnings = preflight.check_workflow(CFG, CFG.verifier)
+    except UserError as exc:
+        raise WorkflowError(
+            f"the config does not fit the verifier {CFG.verifier}:\n  "
+            + str(exc).replace("\n", "\n  ")
+        ) from None
+    VERIFIER_CFG = verifier_config(CFG.verifier)
+else:
+    _warnings = preflight.warnings_for(CFG)
+for _warning in _warnings:
+    logger.warning(f"Warning: {_warning}")
 
 RESULTS = Path(CFG.results_dir)
 LOGS = RESULTS / "logs"
@@ -52,19 +85,48 @@ def stage_code(stage):
     return [os.path.relpath(f) for f in closure_files(STAGES[stage].module, WORKFLOW_DIR)]
 
 
-def stage_config(stage):
-    """The stage's whole config slice, as one param: Snakemake records it, so a change to any
-    of the stage's settings reruns exactly the rules that take that slice (and what follows)."""
-    return json.dumps(
-        getattr(CFG, STAGES[stage].config_key).model_dump(mode="json"), sort_keys=True
-    )
+def stage_config(stage, job_layout=False):
+    """The stage's result settings (lib/definitions.py), as one param: Snakemake records it, so
+    a change to any of them reruns exactly the rules that take it (and what follows), and a
+    change to an execution setting reruns nothing. ``dtype`` auto is recorded as the dtype it
+    resolves to (which use_gpus decides). ``job_layout``: for the rule of a stage's data-parallel
+    jobs, also the settings that decide which job files exist (job counts)."""
+    params = getattr(CFG, STAGES[stage].config_key)
+    settings = params.result_settings()
+    if isinstance(params, EngineSettings):
+        settings["dtype"] = resolve_dtype(params, VERIFIER_CFG)
+    if job_layout:
+        settings.update({name: getattr(params, name) for name in params.JOB_LAYOUT})
+    return json.dumps(settings, sort_keys=True)
+
+
+def result_config():
+    """The settings that decide the results: the top-level keys and every stage's result
+    settings, defaults filled in (what results/config.resolved.yaml records)."""
+    top = {k: v for k, v in CFG.model_dump(mode="json").items() if not isinstance(v, dict)}
+    stages = {
+        spec.config_key: json.loads(stage_config(name))
+        for name, spec in STAGES.items()
+        if spec.config_key is not None
+    }
+    return {**top, **stages}
+
+
+# The interpreter the jobs run: the one running Snakemake (so `.venv/bin/snakemake` works without
+# activating the environment), or the rule's own environment's `python` under --sdm conda or
+# apptainer.
+PYTHON = (
+    "python"
+    if set(workflow.deployment_settings.deployment_method)
+    & {DeploymentMethod.CONDA, DeploymentMethod.APPTAINER}
+    else shlex.quote(sys.executable)
+)
 
 
 def stage_cmd(stage, gpus=None, **extra):
-    """A params function: the stage's whole command, `python -m <module> <args>`, rendered
-    from its config slice and the named input, output and wildcards (plus ``extra`` values).
-    `python` is the active environment's (.venv, or the conda env a rule is given). Snakemake does not
-    record params computed from input/output, hence stage_config beside it.
+    """A params function: the stage's whole command, `<PYTHON> -m <module> <args>`, rendered
+    from its config section and the named input, output and wildcards (plus ``extra`` values).
+    Snakemake does not record params computed from input/output, hence stage_config beside it.
 
     ``gpus``: for a GPU rule, the same count as its ``resources`` entry ``gpu`` (an int,
     or a function of the wildcards). The command then runs under workflow_scripts/lib/gpus.py, which
@@ -77,10 +139,10 @@ def stage_cmd(stage, gpus=None, **extra):
     def render(wildcards, input, output):
         files = {**dict(wildcards.items()), **dict(input.items()), **dict(output.items())}
         args = _cli.render(stage, params, {**files, **extra})
-        cmd = f"python -m {spec.module} {args}"
+        cmd = f"{PYTHON} -m {spec.module} {args}"
         if gpus is not None:
             count = gpus(wildcards) if callable(gpus) else gpus
-            cmd = f"python -m workflow_scripts.lib.gpus {int(count)} -- {cmd}"
+            cmd = f"{PYTHON} -m workflow_scripts.lib.gpus {int(count)} -- {cmd}"
         return cmd
 
     return render

@@ -38,7 +38,8 @@ rule evaluate_draft:
 
 
 rule resolved_config:
-    """The configuration in force, every default filled in (for the report and for the record)."""
+    """The settings that decided the results, every default filled in (for the report and the
+    record); execution settings are left out: they change how jobs run, not what they make."""
     output:
         report(RESULTS / "config.resolved.yaml", category="Configuration"),
     log:
@@ -46,6 +47,6 @@ rule resolved_config:
     conda:
         "../envs/workflow.yaml"
     params:
-        config=CFG.model_dump_json(),
+        config=json.dumps(result_config(), sort_keys=True),
     run:
-        Path(output[0]).write_text(yaml.safe_dump(CFG.model_dump(mode="json"), sort_keys=False))
+        Path(output[0]).write_text(yaml.safe_dump(result_config(), sort_keys=False))

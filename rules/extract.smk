@@ -28,13 +28,16 @@ rule extract:
     resources:
         gpu=EXTRACT_GPUS,
     params:
-        config=stage_config("extract"),
+        config=stage_config("extract", job_layout=True),
         cmd=stage_cmd("extract", gpus=EXTRACT_GPUS, verifier=VERIFIER_DIR, shard_dir=EXTRACT_SHARDS),
     shell:
         "{params.cmd} > {log} 2>&1"
 
 
-rule extract_merge:
+# A checkpoint: once it has run, Snakemake looks again at what follows, and reruns training only
+# if the manifest changed (a change of extract.num_jobs reruns the jobs, which load no model,
+# and this merge, which writes the same manifest).
+checkpoint extract_merge:
     """The jobs' part manifests -> the manifest of all shards (what training depends on)."""
     input:
         parts=expand(

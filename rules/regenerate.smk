@@ -28,7 +28,7 @@ rule regenerate:
     resources:
         gpu=REGENERATE_GPUS,
     params:
-        config=stage_config("regenerate"),
+        config=stage_config("regenerate", job_layout=True),
         cmd=stage_cmd(
             "regenerate", gpus=REGENERATE_GPUS, verifier=VERIFIER_DIR, work_dir=REGENERATE_WORK
         ),
@@ -36,7 +36,8 @@ rule regenerate:
         "{params.cmd} > {log} 2>&1"
 
 
-rule regenerate_merge:
+# A checkpoint, as extract_merge: prepare reruns only if the merged chat data changed.
+checkpoint regenerate_merge:
     """The jobs' batches -> one chat dataset with the verifier's answers, and its statistics."""
     input:
         parts=expand(

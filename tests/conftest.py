@@ -1,4 +1,6 @@
-"""Shared fixtures: the embedded default (demo verifier and data), built once per session."""
+"""Shared fixtures: the embedded default, built once per session by the workflow itself: first its
+demo verifier and data (``demo_build``), then, on request, every stage up to the evaluation with
+regeneration on (``built_default``)."""
 
 from __future__ import annotations
 
@@ -36,11 +38,45 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
     return files
 
 
+# The embedded default as the session builds it: config.yaml, with the optional regenerate stage
+# on, so that every stage of the workflow is built and its reruns can be checked.
+DEFAULT_CONFIG = {"regenerate": {"enabled": True}}
+DEMO_OUTPUTS = {
+    "verifier": "results/demo/verifier",
+    "chat_data": "results/demo/chat_data.jsonl",
+    "eval_prompts": "results/demo/eval_prompts.jsonl",
+}
+
+
 @pytest.fixture(scope="session")
-def demo_build(tmp_path_factory) -> dict[str, Path]:
-    """The full-size embedded default (config defaults), built once by the real script:
-    {'verifier': dir, 'chat_data': jsonl, 'eval_prompts': jsonl}. Takes a few CPU minutes."""
-    return run_demo(tmp_path_factory.mktemp("demo_build"))
+def default_workflow(tmp_path_factory) -> Path:
+    """A copy of the workflow with DEFAULT_CONFIG (tests may edit its files and config, and
+    must restore them)."""
+    from tests.workflow_runner import copy_workflow
+
+    return copy_workflow(tmp_path_factory.mktemp("default"), DEFAULT_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def demo_build(default_workflow) -> dict[str, Path]:
+    """The full-size embedded default's verifier and data, built by the workflow's demo rule
+    (a few CPU minutes): {'verifier': dir, 'chat_data': jsonl, 'eval_prompts': jsonl}."""
+    from tests.workflow_runner import snakemake
+
+    files = {name: default_workflow / rel for name, rel in DEMO_OUTPUTS.items()}
+    targets = [DEMO_OUTPUTS["verifier"] + "/config.json", *list(DEMO_OUTPUTS.values())[1:]]
+    snakemake(default_workflow, "--cores", "2", *targets)
+    return files
+
+
+@pytest.fixture(scope="session")
+def built_default(default_workflow, demo_build) -> tuple[Path, dict]:
+    """The embedded default built to the ``evaluate`` target (every stage, regeneration on):
+    (workflow directory, its config)."""
+    from tests.workflow_runner import snakemake
+
+    snakemake(default_workflow, "--cores", "2", "evaluate")
+    return default_workflow, DEFAULT_CONFIG
 
 
 # The tiers: fast unit tests (no marker), then tests that start real vLLM (engine) and tests

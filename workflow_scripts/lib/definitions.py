@@ -6,27 +6,68 @@ runs at ``snakemake -n``, the command line the rule renders and the script's par
 that run the verifier in vLLM share ``EngineSettings``. The files each stage reads and writes,
 and its entry script, are declared beside these in ``registry.py``.
 
+Every field is a *result* setting (it changes what the stage produces) unless the class's
+``EXECUTION`` table names it, with the reason: an *execution* setting changes only how the job
+runs. Only result settings are recorded by Snakemake for a rule and go into the fingerprints of
+shards, training state and regenerated batches, so changing an execution setting reruns nothing.
+``JOB_LAYOUT`` names the execution settings that change which job files exist (job counts): the
+job rules record those too; the jobs then rerun without loading a model, and the merge after
+them writes the same file, so nothing downstream reruns. The JSON schema shows each field's
+``effect``.
+
 Names carry their units where they could be misread: ``*_samples`` counts conversations,
 ``*_tokens`` counts tokens, ``*_steps`` counts optimizer steps, ``*_s`` is seconds.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RESULT, EXECUTION = "result", "execution"
+
+
+def _effects_in_schema(schema: dict[str, Any], cls: type["StageParams"]) -> None:
+    for name, prop in schema.get("properties", {}).items():
+        prop["effect"] = cls.effect(name)
+        if name in cls.EXECUTION:
+            prop["effect_reason"] = cls.EXECUTION[name]
 
 
 class StageParams(BaseModel):
     """Base of every stage's parameters: unknown keys are errors, never ignored."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, json_schema_extra=_effects_in_schema
+    )
+    # field -> why it changes only how the job runs, not what it produces
+    EXECUTION: ClassVar[dict[str, str]] = {}
+    # execution settings that change which job files exist (the job rules record them)
+    JOB_LAYOUT: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def effect(cls, name: str) -> str:
+        return EXECUTION if name in cls.EXECUTION else RESULT
+
+    def result_settings(self) -> dict[str, Any]:
+        """The settings that change what the stage produces (JSON-ready)."""
+        return self.model_dump(mode="json", exclude=set(self.EXECUTION))
 
 
 class EngineSettings(StageParams):
     """The vLLM engine of a stage that runs the verifier (extract, regenerate, evaluate): one
     definition of these settings, and one function (``engine.engine_args``) that turns them into
     the engine's arguments. Each stage adds its own fields."""
+
+    EXECUTION = {
+        "tensor_parallel_size": "how the engine is split over GPUs",
+        "use_gpus": "where the engine runs; with dtype auto, the dtype it resolves to is "
+        "recorded as a result setting",
+        "gpu_memory_utilization": "the engine's memory share",
+        "kv_cache_memory_bytes": "the engine's KV cache size",
+        "enforce_eager": "compiled or eager execution of the same model",
+    }
 
     tensor_parallel_size: int = Field(
         1,
@@ -125,6 +166,15 @@ class RegenerateParams(EngineSettings):
     """Optional, before prepare: the verifier answers the dataset's user turns itself
     (self-distillation), turn by turn with the conversation so far."""
 
+    EXECUTION = {
+        **EngineSettings.EXECUTION,
+        "num_jobs": "how the batches are shared out; each batch is the same whichever job "
+        "answers it",
+        "batch_budget_tokens": "the engine's step size",
+        "progress_interval_s": "log lines",
+    }
+    JOB_LAYOUT = ("num_jobs",)
+
     enabled: bool = Field(
         False,
         description="Replace the assistant turns of chat_data with the verifier's own answers "
@@ -154,12 +204,13 @@ class RegenerateParams(EngineSettings):
         64,
         ge=1,
         description="Conversations per batch: answered together, one round per turn, and "
-        "written as one file, the unit a restarted job does not redo.",
+        "written as one file, the unit a restarted job does not redo. A result setting: "
+        "another size makes other batch files, which are answered again.",
     )
     batch_budget_tokens: int = Field(
         16384,
         ge=16,
-        description="Most tokens the engine runs in one step (vLLM " "max_num_batched_tokens).",
+        description="Most tokens the engine runs in one step (vLLM max_num_batched_tokens).",
     )
     on_bad_row: Literal["fail", "skip"] = Field(
         "fail",
@@ -181,6 +232,8 @@ class RegenerateParams(EngineSettings):
 
 class PrepareParams(StageParams):
     """Chat data -> tokenized_data.jsonl with the verifier's chat template and a loss mask."""
+
+    EXECUTION = {"progress_interval_s": "log lines"}
 
     max_seq_len_tokens: int = Field(
         2048, ge=8, description="Conversations longer than this are truncated to this many tokens."
@@ -215,6 +268,17 @@ class VocabParams(StageParams):
 class ExtractParams(EngineSettings):
     """Verifier hidden states for every tokenized sample, written as safetensors shards."""
 
+    EXECUTION = {
+        **EngineSettings.EXECUTION,
+        "num_jobs": "how the shards are shared out; each shard is the same whichever job "
+        "computes it",
+        "batch_size_samples": "the engine's step size",
+        "batch_budget_tokens": "the engine's step size",
+        "disk_margin": "a check before the model loads",
+        "progress_interval_s": "log lines",
+    }
+    JOB_LAYOUT = ("num_jobs",)
+
     backend: Literal["vllm", "transformers"] = Field(
         "vllm",
         description="Engine that runs the verifier: vllm, or transformers (the reference, and "
@@ -234,7 +298,10 @@ class ExtractParams(EngineSettings):
         "norm) is always stored besides.",
     )
     shard_size_samples: int = Field(
-        256, ge=1, description="Samples per shard file; a restarted job redoes unfinished shards."
+        256,
+        ge=1,
+        description="Samples per shard file; a restarted job redoes unfinished shards. A result "
+        "setting: the states are the same, but another size makes other files, computed again.",
     )
     batch_size_samples: int = Field(
         64,
@@ -269,6 +336,12 @@ class ExtractParams(EngineSettings):
 class TrainParams(StageParams):
     """EAGLE-3 draft training with training-time test (TTT)."""
 
+    EXECUTION = {
+        "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
+        "the uninterrupted one's steps exactly",
+        "log_every_steps": "log lines (the metrics file has every step)",
+    }
+
     seed: int = Field(0, description="Seed for initialisation, shuffling and the split.")
     ttt_steps: int = Field(3, ge=1, description="Training-time-test steps unrolled per position.")
     ttt_step_loss_decay: float = Field(
@@ -296,19 +369,28 @@ class TrainParams(StageParams):
         0.05,
         ge=0,
         lt=1,
-        description="Share of samples held out (a seeded split), scored at every checkpoint and "
-        "at the end.",
+        description="Share of samples held out (a seeded split), scored every "
+        "validate_every_steps and at the end.",
+    )
+    validate_every_steps: int = Field(
+        200, ge=1, description="Optimizer steps between scores of the held-out split."
     )
     checkpoint_every_steps: int = Field(
         200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
     )
     log_every_steps: int = Field(10, ge=1, description="Optimizer steps between log lines.")
-    num_gpus: int = Field(0, ge=0, description="GPUs for torchrun DDP; 0 trains on the CPU.")
+    num_gpus: int = Field(
+        0,
+        ge=0,
+        description="GPUs for torchrun DDP; 0 trains on the CPU. A result setting: the number "
+        "of processes sets the global batch (processes x grad_accum_steps micro-batches), and "
+        "GPUs train in bf16.",
+    )
     num_cpu_processes: int = Field(
         1,
         ge=1,
         description="CPU only (num_gpus 0): DDP processes (gloo) under torchrun, sharing the "
-        "cores.",
+        "cores. A result setting: the number of processes sets the global batch.",
     )
     num_speculative_tokens: int = Field(
         3, ge=1, description="Speculative tokens written into the checkpoint's proposal method."
@@ -320,6 +402,10 @@ class TrainParams(StageParams):
 
 class EvaluateParams(EngineSettings):
     """Acceptance of the trained draft under vLLM speculative decoding."""
+
+    # evaluate measures throughput, which every engine setting changes: all its settings are
+    # result settings
+    EXECUTION = {}
 
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")

@@ -46,9 +46,9 @@ def check_parallel(cfg: dict[str, Any], tp: int, section: str) -> None:
         )
 
 
-def check_devices(settings, section: str, vllm: bool = True) -> None:
-    """GPUs visible against what the job needs, and the vLLM build against use_gpus (config keys
-    ``<section>.*``; ``vllm`` False: the job does not run vLLM)."""
+def check_devices(settings, section: str, vllm: bool = True, dtype: str | None = None) -> None:
+    """GPUs visible against what the job needs, their support of ``dtype``, and the vLLM build
+    against use_gpus (config keys ``<section>.*``; ``vllm`` False: the job does not run vLLM)."""
     if settings.use_gpus:
         import torch
 
@@ -68,6 +68,11 @@ def check_devices(settings, section: str, vllm: bool = True) -> None:
             )
         if visible > tp:
             log.info("%d GPUs visible, using %d", visible, tp)
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise UserError(
+                f"{section}.dtype resolves to bfloat16, which the GPUs given to this job do not "
+                f"support; set {section}.dtype: float16"
+            )
     if vllm:
         from vllm.platforms import current_platform
 

@@ -11,34 +11,44 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workflow_scripts.lib.chat import BadRow, normalize, prompt_ids
+from workflow_scripts.lib.chat import (
+    BadRow,
+    normalize,
+    parse_line,
+    prompt_ids,
+    read_lines,
+)
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.engine import make_llm
 
 log = logging.getLogger("eagle3")
 
 
+def prompt_messages(row) -> list[dict[str, str]]:
+    """A prompt row: ``{"prompt": text}``, or 'messages' / 'conversations' ending in a user turn."""
+    if isinstance(row, dict) and "prompt" in row:
+        if not isinstance(row["prompt"], str):
+            raise BadRow("malformed", "'prompt' must be a string")
+        return [{"role": "user", "content": row["prompt"]}]
+    messages = normalize(row)
+    if messages[-1]["role"] != "user":
+        raise BadRow("malformed", "the last message must be a user turn")
+    return messages
+
+
 def load_prompts(path: Path, tokenizer, limit: int | None) -> list[dict[str, Any]]:
-    """Rows with 'messages' ending in a user turn, or a 'prompt' string; template applied."""
+    """The prompts, chat template applied; any bad row stops with file, line and what is
+    wrong (the held-out prompts are few and must all be usable)."""
     prompts = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                    messages = [{"role": "user", "content": row["prompt"]}]
-                else:
-                    messages = normalize(row)
-                if messages[-1]["role"] != "user":
-                    raise BadRow("malformed", "the last message must be a user turn")
-            except (json.JSONDecodeError, BadRow) as exc:
-                raise UserError(f"{path}:{line_no}: not a usable prompt: {exc}") from None
-            ids = prompt_ids(tokenizer, messages)
-            prompts.append({"id": row.get("id", f"line{line_no}"), "prompt_token_ids": ids})
-            if limit and len(prompts) >= limit:
-                break
+    for line_no, line in read_lines(path):
+        try:
+            row = parse_line(line)
+            ids = prompt_ids(tokenizer, prompt_messages(row))
+        except BadRow as exc:
+            raise UserError(f"{path}:{line_no}: not a usable prompt: {exc}") from None
+        prompts.append({"id": row.get("id", f"line{line_no}"), "prompt_token_ids": ids})
+        if limit and len(prompts) >= limit:
+            break
     if not prompts:
         raise UserError(f"{path}: no prompts")
     return prompts

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from workflow_scripts.lib import engine, verifier
+from workflow_scripts.lib import engine, preflight, verifier
 from workflow_scripts.lib.common import UserError, write_json
 from workflow_scripts.lib.manifest import FORMAT_VERSION, LAYER_CONVENTION, shard_name
 from workflow_scripts.lib.shards import (
@@ -66,8 +66,8 @@ def read_rows(path: Path, offsets: np.ndarray, indices: list[int]) -> Iterator[t
             raw = fh.read(int(offsets[i + 1] - offsets[i]))
             try:
                 row = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{i + 1}: not valid JSON ({exc.msg})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UserError(f"{path}:{i + 1}: not a JSON line ({exc})") from None
             yield i, row
 
 
@@ -191,14 +191,7 @@ def make_plan(io, p) -> Plan:
         raise UserError(f"job index {io.job_index} but extract.num_jobs is {p.num_jobs}")
     cfg = verifier.verifier_config(io.verifier)
     identity = verifier.identity(io.verifier)  # the weight files checked too
-    aux_ids = verifier.aux_layer_ids(cfg, p.aux_layer_ids)
-    engine.check_parallel(cfg, p.tensor_parallel_size, "extract")
-    max_pos = cfg.get("max_position_embeddings")
-    if max_pos and p.max_model_len_tokens > int(max_pos) and p.backend == "vllm":
-        raise UserError(
-            f"extract.max_model_len_tokens {p.max_model_len_tokens} exceeds the verifier's "
-            f"max_position_embeddings {max_pos}; lower extract.max_model_len_tokens"
-        )
+    aux_ids = preflight.check_extract(p, cfg)
     dtype = engine.resolve_dtype(p, cfg)
     vocab_size = int(cfg["vocab_size"])
     n = int(cfg["num_hidden_layers"])

@@ -60,9 +60,11 @@ def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
     return manifest
 
 
-# keys of a part that are per job, not shared by all parts
+# keys of a part that are per job, not shared by all parts: not in the manifest, which is the
+# same however many jobs made it (num_jobs is checked across the parts on its own)
 PER_JOB = {
     "kind",
+    "num_jobs",
     "job_index",
     "shard_indices",
     "num_samples",
@@ -90,7 +92,13 @@ def merge_parts(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -
                 f"{path} and {first_path} disagree on {', '.join(diff)}: they come from different "
                 "extraction runs; rerun extraction"
             )
-    num_jobs = int(common["num_jobs"])
+    num_jobs = int(first["num_jobs"])
+    for path, part in parts[1:]:
+        if part.get("num_jobs") != num_jobs:
+            raise UserError(
+                f"{path} and {first_path} disagree on num_jobs: they come from different "
+                "extraction runs; rerun extraction"
+            )
     jobs = sorted(int(part["job_index"]) for _, part in parts)
     if jobs != list(range(num_jobs)):
         raise UserError(f"parts of jobs {jobs}, expected one for each of 0..{num_jobs - 1}")

@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from workflow_scripts.lib import engine, verifier
-from workflow_scripts.lib.chat import BadRow, normalize, prompt_ids, skip_or_fail
+from workflow_scripts.lib.chat import (
+    BadRow,
+    normalize,
+    parse_line,
+    prompt_ids,
+    render,
+    skip_or_fail,
+)
 from workflow_scripts.lib.common import Progress, UserError, atomic_path, read_json
 
 log = logging.getLogger("eagle3")
@@ -65,11 +72,8 @@ def answer_plan(messages: list[dict[str, str]]) -> list[dict[str, str] | None]:
     return plan
 
 
-def read_row(line: bytes | str) -> tuple[Any, list[dict[str, str] | None]]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BadRow("malformed", f"not valid JSON ({exc.msg})") from None
+def read_row(line: bytes) -> tuple[Any, list[dict[str, str] | None]]:
+    row = parse_line(line)
     return row, answer_plan(normalize(row))
 
 
@@ -122,9 +126,12 @@ def too_long(n_tokens: int, max_len: int) -> BadRow:
 
 
 def check_first_prompt(tokenizer, plan: list[dict[str, str] | None], max_len: int) -> None:
+    """The first prompt fits the engine, and the chat template takes the whole conversation
+    (with a stand-in for each answer), so that no row fails once the model has loaded."""
     n = len(prompt_ids(tokenizer, plan[: plan.index(None)]))
     if n >= max_len:
         raise too_long(n, max_len)
+    render(tokenizer, [m or {"role": "assistant", "content": "answer"} for m in plan])
 
 
 @dataclass

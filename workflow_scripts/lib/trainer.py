@@ -4,7 +4,9 @@ grad_accum_steps`` micro-batches and the loss is normalised by its global counts
 with 2 accumulation steps and two processes with 1 train the same model.
 
 Every ``checkpoint_every_steps`` it writes ``<state_dir>/state.pt`` atomically (weights,
-optimizer, scheduler, RNG, step). A killed run resumes there and repeats the uninterrupted run's
+optimizer, scheduler, RNG, step); every ``validate_every_steps`` and at the end it scores the
+held-out split. Neither changes the training: the draft is the same whatever the checkpoint
+cadence. A killed run resumes there and repeats the uninterrupted run's
 steps exactly. A state from other settings or inputs is discarded, never resumed. Loss, per-TTT
 step top-1 agreement, tokens/s and ETA go to the log; one JSONL row per step (and per
 validation) to the metrics file. At the end it writes the draft checkpoint (speculators format,
@@ -354,7 +356,6 @@ class Trainer:
         started = last = time.monotonic()
         first_step = self.step
         window_start, window_tokens = started, 0
-        validated_at = self.step if self.step > 0 else None  # a state is saved after validating
         for data in loader:
             stats, grad_norm = self.train_step(data)
             self.step += 1
@@ -396,12 +397,11 @@ class Trainer:
                     format_seconds(eta),
                 )
                 window_start, window_tokens = now, 0
-            if self.step % p.checkpoint_every_steps == 0 and self.step < total:
+            # validation before the state is saved: a state at step s has every row up to s
+            if self.step % p.validate_every_steps == 0 or self.step == total:
                 self.validate()
-                validated_at = self.step
+            if self.step % p.checkpoint_every_steps == 0 and self.step < total:
                 self.save_state()
-        if validated_at != self.step:
-            self.validate()
         self.save_state()
         if d.main:
             self.write_outputs()

@@ -35,8 +35,9 @@ from workflow_scripts.lib.training_data import SampleIndex
 log = logging.getLogger("eagle3")
 
 VERIFIED_FILE = "verified_shards.json"
-# Parameters that do not change what is trained: a state saved under other values is resumed.
-NOT_IN_FINGERPRINT = ("checkpoint_every_steps", "log_every_steps", "num_speculative_tokens")
+# A result setting that only the checkpoint's config.json shows, not the training: a state saved
+# under another value is resumed (so are states saved under other execution settings).
+NOT_IN_FINGERPRINT = ("num_speculative_tokens",)
 
 
 @dataclass
@@ -165,7 +166,7 @@ def verify_shard_checksums(manifest: dict, state_dir: Path) -> None:
 
 def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
     """What a resumable state must have been trained from: settings and input contents."""
-    settings = p.model_dump(mode="json", exclude=set(NOT_IN_FINGERPRINT))
+    settings = {k: v for k, v in p.result_settings().items() if k not in NOT_IN_FINGERPRINT}
     files = {
         "manifest": sha256_file(io.manifest),
         "vocab_map": sha256_file(io.vocab_map),

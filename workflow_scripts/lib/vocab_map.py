@@ -24,11 +24,18 @@ from workflow_scripts.lib.common import UserError, atomic_path
 def count_masked_tokens(path, vocab_size: int) -> tuple[np.ndarray, int]:
     counts = np.zeros(vocab_size, dtype=np.int64)
     rows = 0
-    with open(path, encoding="utf-8") as fh:
+    with open(path, "rb") as fh:
         for line_no, line in enumerate(fh, start=1):
-            row = json.loads(line)
-            ids = np.asarray(row["input_ids"], dtype=np.int64)
-            mask = np.asarray(row["loss_mask"], dtype=bool)
+            try:
+                row = json.loads(line)
+                ids = np.asarray(row["input_ids"], dtype=np.int64)
+                mask = np.asarray(row["loss_mask"], dtype=bool)
+                if ids.shape != mask.shape or ids.ndim != 1:
+                    raise ValueError("input_ids and loss_mask differ in length")
+            except (ValueError, TypeError, KeyError) as exc:  # JSON and Unicode errors too
+                raise UserError(
+                    f"{path}:{line_no}: not a tokenized row ({exc!r}); rerun the prepare stage"
+                ) from None
             if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
                 raise UserError(
                     f"{path}:{line_no}: token id {int(ids.max())} is outside the verifier's "

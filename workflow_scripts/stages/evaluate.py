@@ -14,7 +14,7 @@ import json
 import logging
 from typing import Any
 
-from workflow_scripts.lib import cli, engine, verifier
+from workflow_scripts.lib import cli, engine, preflight, verifier
 from workflow_scripts.lib.common import (
     UserError,
     atomic_path,
@@ -37,7 +37,8 @@ def main() -> None:
     prompts = load_prompts(io.eval_prompts, tokenizer, p.max_prompts)
     log.info("evaluate: %d prompts from %s", len(prompts), io.eval_prompts)
 
-    dtype = engine.resolve_dtype(p, verifier.verifier_config(io.verifier))
+    dtype = preflight.check_engine(p, "evaluate", verifier.verifier_config(io.verifier))
+    engine.check_devices(p, "evaluate", dtype=dtype)
     engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
     k = p.num_speculative_tokens
     speculators = {

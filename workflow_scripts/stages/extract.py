@@ -49,7 +49,7 @@ def main() -> None:
     )
     check_outputs(io, p, plan)
     if todo:
-        engine.check_devices(p, "extract", vllm=p.backend == "vllm")
+        engine.check_devices(p, "extract", vllm=p.backend == "vllm", dtype=plan.dtype)
         extract(io, p, plan)
     else:
         log.info("nothing to compute: the model is not loaded")

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 
-from workflow_scripts.lib import cli, engine, verifier
+from workflow_scripts.lib import cli, engine, preflight, verifier
 from workflow_scripts.lib.chat import end_of_turn_ids
 from workflow_scripts.lib.common import (
     Progress,
@@ -41,10 +41,9 @@ def main() -> None:
         raise UserError(f"chat data '{io.chat_data}' does not exist (config key 'chat_data')")
     cfg = verifier.verifier_config(io.verifier)
     verifier.weight_files(io.verifier)
-    engine.check_parallel(cfg, p.tensor_parallel_size, "regenerate")
+    dtype = preflight.check_engine(p, "regenerate", cfg)
     tokenizer = verifier.load_tokenizer(io.verifier)
     stops = end_of_turn_ids(tokenizer)
-    dtype = engine.resolve_dtype(p, cfg)
 
     log.info("regenerate: checking %s before the model loads", io.chat_data)
     index = index_input(io.chat_data, p, tokenizer)
@@ -71,7 +70,7 @@ def main() -> None:
 
     start = time.monotonic()
     if todo:
-        engine.check_devices(p, "regenerate")
+        engine.check_devices(p, "regenerate", dtype=dtype)
         llm = make_engine(io, p, dtype)
         log.info("regenerate: engine ready after %s", format_seconds(time.monotonic() - start))
         todo_rows = sum(min(B, usable - b * B) for b in todo)

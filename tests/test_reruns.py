@@ -1,0 +1,200 @@
+"""What reruns, on the built embedded default (every stage, regeneration on), generated from the
+typed definitions and from the code itself, not from hand-written lists:
+
+* every setting of every stage, changed to another valid value: the dry-run plans that stage and
+  everything after it for a result setting, nothing for an execution setting;
+* a job count (the one kind of execution setting that changes which job files exist), changed
+  and run: only jobs that load no model run, and nothing after the merges;
+* every module of the code, edited: the dry-run plans exactly the stages whose entry script
+  imports it (directly or not) and what follows them.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.workflow_runner import TARGET_RULES, planned, snakemake, write_config
+from workflow_scripts.lib.code_inputs import closure, module_file
+from workflow_scripts.lib.config import ConfigError, load_config
+from workflow_scripts.lib.registry import STAGES
+
+pytestmark = [pytest.mark.engine, pytest.mark.workflow]
+
+TARGET = "evaluate"
+RULE_OF = {"evaluate": "evaluate_draft"}  # a stage's rule, where its name is not the stage's
+RECORD = "resolved_config"  # records every result setting: reruns on any of them
+# settings that have no other valid value in this config (a CPU run), with the reason
+NO_OTHER_VALUE = {
+    ("evaluate", "sampled_temperature"): "sampling under speculative decoding needs GPUs",
+}
+
+
+def rule_of(stage: str) -> str:
+    return RULE_OF.get(stage, stage)
+
+
+def downstream(work: Path) -> dict[str, set[str]]:
+    """Each rule of the built DAG -> itself and every rule after it (from --rulegraph)."""
+    dot = snakemake(work, "--rulegraph", TARGET).stdout
+    names = dict(re.findall(r"^\s*(\d+)\[label = \"(\w+)\"", dot, flags=re.M))
+    after: dict[str, set[str]] = {name: set() for name in names.values()}
+    for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dot, flags=re.M):
+        after[names[a]].add(names[b])
+
+    def closed(rule: str) -> set[str]:
+        found = {rule}
+        for nxt in after[rule]:
+            found |= closed(nxt)
+        return found
+
+    return {rule: closed(rule) - TARGET_RULES for rule in after}
+
+
+def candidates(annotation, current) -> list:
+    """Other values of a field's type, to be tried in turn (the config decides which are valid)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return [a for a in reversed(args) if a != current]
+    if origin in (typing.Union, types.UnionType):
+        out = [] if current is None else [None]
+        for arg in args:
+            if arg is not type(None):
+                out += candidates(arg, current if current is not None else None)
+        return out
+    if annotation is bool:
+        return [not current]
+    if annotation is int:
+        near = [] if current is None else [current + 1, current * 2, current - 1]
+        return near + [8, 1 << 30]
+    if annotation is float:
+        near = [] if current is None else [current * 0.5, current + 0.1]
+        return near + [0.5]
+    if origin is list:
+        return [[1, 3, 5]]
+    return []
+
+
+def merged(a: dict, b: dict) -> dict:
+    """``b`` over ``a``, section by section (as Snakemake merges --configfile over config.yaml)."""
+    return {**a, **{k: {**a.get(k, {}), **v} if isinstance(v, dict) else v for k, v in b.items()}}
+
+
+def other_valid_config(work: Path, stage: str, name: str, base: dict) -> dict | None:
+    """``base`` (the test's config file) with ``stage.name`` set to another value that makes a
+    valid config with the workflow's config.yaml under it, or None."""
+    params = STAGES[stage].params
+    shipped = yaml.safe_load((work / "config.yaml").read_text())
+    current = getattr(load_config(merged(shipped, base)), stage).model_dump(mode="json")[name]
+    for value in candidates(params.model_fields[name].annotation, current):
+        changed = merged(base, {stage: {name: value}})
+        try:
+            load_config(merged(shipped, changed))
+        except ConfigError:
+            continue
+        if value != current:
+            return changed
+    return None
+
+
+SETTINGS = [
+    (stage, name)
+    for stage, spec in STAGES.items()
+    if spec.params is not None
+    for name in spec.params.model_fields
+    if name not in spec.params.JOB_LAYOUT
+]
+
+
+@pytest.fixture(scope="module")
+def built(built_default):
+    work, config = built_default
+    assert planned(work, TARGET) == {}
+    return work, config, downstream(work)
+
+
+def expected_plan(stage: str, name: str, graph: dict[str, set[str]]) -> set[str]:
+    params = STAGES[stage].params
+    if params.effect(name) == "execution":
+        return set()
+    if (stage, name) == ("regenerate", "enabled"):  # off: prepare reads chat_data instead
+        return (graph["prepare"]) | {RECORD}
+    return graph[rule_of(stage)] | {RECORD}
+
+
+@pytest.mark.parametrize("stage, name", SETTINGS, ids=[f"{s}.{n}" for s, n in SETTINGS])
+def test_a_changed_setting_plans_exactly_what_it_affects(built, stage, name):
+    work, config, graph = built
+    changed = other_valid_config(work, stage, name, config)
+    if changed is None:
+        assert (stage, name) in NO_OTHER_VALUE, f"no other valid value for {stage}.{name}"
+        pytest.skip(NO_OTHER_VALUE[(stage, name)])
+    write_config(work, changed)
+    try:
+        plan = set(planned(work, TARGET))
+    finally:
+        write_config(work, config)
+    assert plan == expected_plan(stage, name, graph), (changed[stage], plan)
+
+
+RULES_RUN = re.compile(r"^\s*(?:local)?(?:rule|checkpoint) (\w+):", flags=re.M)
+
+
+@pytest.mark.parametrize(
+    "stage, log, message",
+    [
+        ("extract", "extract/job_{}.log", "nothing to compute: the model is not loaded"),
+        ("regenerate", "regenerate/job_{}.log", "nothing to do: the model is not loaded"),
+    ],
+)
+def test_a_changed_job_count_runs_jobs_that_load_no_model_and_nothing_after(
+    built, stage, log, message
+):
+    """num_jobs 1 -> 2 -> 1, run for real: the jobs rerun without a model, the merge writes the
+    same file, and Snakemake (looking again after the merge, a checkpoint) runs nothing after
+    it; a dry-run then plans nothing."""
+    work, config, _ = built
+    after_merge = {f"{stage}_merge", stage, *TARGET_RULES}
+    draft = work / "results" / "train" / "draft" / "model.safetensors"
+    draft_mtime = draft.stat().st_mtime_ns
+    try:
+        for num_jobs in (2, 1):
+            write_config(work, merged(config, {stage: {"num_jobs": num_jobs}}))
+            proc = snakemake(work, "--cores", "2", TARGET)
+            ran = set(RULES_RUN.findall(proc.stdout + proc.stderr))
+            assert stage in ran and ran <= after_merge, ran
+            for job in range(num_jobs):
+                assert message in (work / "results" / "logs" / log.format(job)).read_text()
+            assert planned(work, TARGET) == {}
+    finally:
+        write_config(work, config)
+    assert planned(work, TARGET) == {}
+    assert draft.stat().st_mtime_ns == draft_mtime
+
+
+def code_files(work: Path) -> list[str]:
+    return sorted(str(p.relative_to(work)) for p in (work / "workflow_scripts").rglob("*.py"))
+
+
+@pytest.mark.parametrize("rel", code_files(Path(__file__).resolve().parents[1]))
+def test_a_code_edit_plans_the_stages_that_import_it(built, rel):
+    work, _, graph = built
+    module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    assert module_file(module, work) == work / rel
+    importers = {
+        rule_of(stage) for stage, spec in STAGES.items() if module in closure(spec.module, work)
+    }
+    expected = set().union(*(graph[r] for r in importers)) if importers else set()
+    path = work / rel
+    original = path.read_text()
+    path.write_text(original + "\n# edited\n")
+    try:
+        plan = set(planned(work, TARGET))
+    finally:
+        path.write_text(original)
+    assert plan == expected
