@@ -149,7 +149,7 @@ def main() -> None:
 
     # 1. plain prefill
     llm = engine.make_llm(
-        backends.vllm_engine_args(args.verifier, p, dtype_name, None, None), in_process
+        backends.vllm_engine_args(args.verifier, p, dtype_name, None, None), p.use_gpus, in_process
     )
     try:
 
@@ -172,7 +172,7 @@ def main() -> None:
     scratch.mkdir()
     written = {"bytes": 0, "tokens": 0}
     kwargs = backends.vllm_engine_args(args.verifier, p, dtype_name, aux + [n_layers], scratch)
-    llm = engine.make_llm(kwargs, in_process)
+    llm = engine.make_llm(kwargs, p.use_gpus, in_process)
     try:
 
         def extraction(batch):

@@ -199,6 +199,12 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     initial, _ = trainer.build_draft(checked, p.seed)
     trainer.write_draft(tmp_path / "untrained", initial, checked, io, p)
 
+    # the draft ships the verifier's embedding (vLLM needs it under pipeline parallelism)
+    from safetensors.torch import load_file
+
+    shipped = load_file(str(out / "draft" / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(shipped, model.model.embed_tokens.weight)
+
     prompts = _prompts(demo_build, 16)
     good, bad = run_spec_decode(verifier, [out / "draft", tmp_path / "untrained"], prompts, 48)
     print("trained:", good["mean_acceptance_length"], good["counters"])

@@ -8,6 +8,7 @@ run by Snakemake, and the transformers reference share one verifier and one data
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.processes import kill_when
+from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, planned, snakemake
 from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import UserError, sha256_file
@@ -67,6 +69,7 @@ def make_verifier(path: Path, layers: int = LAYERS, weights: bool = True) -> Pat
         model = LlamaForCausalLM(cfg)
         model.config.architectures = ["LlamaForCausalLM"]
         model.save_pretrained(path)
+        build_chatml_tokenizer(path)  # for the workflow's checks; extraction needs none
     else:
         path.mkdir(parents=True, exist_ok=True)
         cfg.architectures = ["LlamaForCausalLM"]
@@ -118,8 +121,17 @@ def command(p: ExtractParams, f: dict) -> list[str]:
     ]
 
 
-def run_job(p: ExtractParams, f: dict, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(p, f), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run_job(
+    p: ExtractParams, f: dict, timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        command(p, f),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
 
@@ -291,6 +303,33 @@ def test_transformers_backend_matches_vllm(resumed, world):
 
 
 @pytest.mark.engine
+def test_tensor_parallel_extraction_equals_one_worker(resumed, world, tmp_path):
+    """extract.tensor_parallel_size 2 on the CPU, two vLLM workers each bound to a core by the
+    stage itself: the shards equal the one-worker shards (1e-6 relative), and one worker (rank
+    0) writes each sample, once."""
+    from workflow_scripts.lib.hidden_states_connector import WRITE_LOG_ENV
+
+    root, verifier, tokenized = world
+    out = tmp_path / "tp2"
+    writes = tmp_path / "writes.log"
+    p = ExtractParams(**{**TEST_PARAMS, "tensor_parallel_size": 2})
+    proc = run_job(p, files(root, verifier, tokenized, out, 0), env={WRITE_LOG_ENV: str(writes)})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # the stage bound the workers itself
+    one, two = tensors(resumed["manifest"]), tensors(merged(out, 1))
+    for name in ("input_ids", "loss_mask"):
+        assert torch.equal(one[name], two[name])
+    for name in ("aux_hidden_states", "final_hidden_states"):
+        scale = one[name].abs().max()
+        assert (one[name] - two[name]).abs().max() <= 1e-6 * scale, name
+    lines = [line.split() for line in writes.read_text().splitlines()]
+    assert len({pid for pid, _, _ in lines}) == 1, "more than one worker wrote"
+    requests = [req for _, req, _ in lines]
+    assert len(requests) == len(set(requests)) == resumed["manifest"]["num_samples"]
+    assert sum(int(n) for _, _, n in lines) == resumed["manifest"]["num_tokens"]
+    assert "2 local" not in proc.stderr  # no NUMA binding failure
+
+
+@pytest.mark.engine
 @pytest.mark.workflow
 def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     """extract.num_jobs: 2 through the real rules: each job does its own shards, and the merged
@@ -303,6 +342,7 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
             "chat_data": str(tokenized),  # not read: the tokenized data is placed below
             "eval_prompts": str(tokenized),
             "extract": {**TEST_PARAMS, "num_jobs": 2},
+            "evaluate": {"max_model_len_tokens": MAX_LEN},  # the verifier's positions: 512
         },
     )
     prepared = work / "results" / "prepare"

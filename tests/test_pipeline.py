@@ -5,11 +5,17 @@ a built workflow."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.workflow_runner import planned, snakemake, write_config
+from workflow_scripts.lib import cli
+from workflow_scripts.lib.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
@@ -103,3 +109,33 @@ def test_training_code_change_reruns_training(pipeline):
         assert planned(work, "draft_ckpt") == {"train": 1}
     finally:
         path.write_text(original)
+
+
+def test_evaluation_with_tensor_parallel_workers(pipeline, tmp_path):
+    """evaluate.tensor_parallel_size 2 on the CPU (two workers, each bound to a core by the
+    stage): the evaluation script on the built draft, 8 prompts; its outputs go to tmp_path."""
+    work, config = pipeline
+    shipped = yaml.safe_load((work / "config.yaml").read_text())
+    evaluate = {**shipped["evaluate"], "tensor_parallel_size": 2, "max_prompts": 8}
+    params = load_config({**shipped, **config, "evaluate": evaluate}).evaluate
+    results = work / "results"
+    files = {
+        "verifier": results / "demo" / "verifier",
+        "draft": results / "train" / "draft",
+        "eval_prompts": results / "demo" / "eval_prompts.jsonl",
+        "metrics": results / "train" / "metrics.jsonl",
+        "results": tmp_path / "results.json",
+        "plot_dir": tmp_path / "plots",
+    }
+    args = shlex.split(cli.render("evaluate", params, files))
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.stages.evaluate", *args],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(files["results"].read_text())
+    assert out["num_prompts"] == 8 and out["greedy_lossless"], out["summary"]
+    assert out["runs"]["eagle3"]["mean_acceptance_length"] >= 2.5, out["summary"]

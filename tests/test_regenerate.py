@@ -442,7 +442,7 @@ def test_length_limits_are_counted_and_flagged(demo_build, demo_chat, tmp_path, 
     for r in got:
         answers = [m for m in r["messages"] if m["role"] == "assistant"]
         assert r["messages"][-1]["role"] == "assistant" and len(answers) == r["regenerate"]["turns"]
-        for turn, m in enumerate(answers):
+        for m in answers:
             n = len(tok(m["content"], add_special_tokens=False)["input_ids"])
             assert n <= max_new + 2  # decoded text, tokenized again
         if r["regenerate"]["context_full"]:
@@ -526,6 +526,22 @@ def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_p
     one = greedy[0] / "chat_data.jsonl"
     assert (tmp_path / "chat_data.jsonl").read_text() == one.read_text()
     assert json.loads((tmp_path / "stats.json").read_text())["jobs"] == 2
+
+
+@pytest.mark.engine
+def test_tensor_parallel_regeneration_answers_as_one_worker(
+    demo_build, demo_chat, greedy, tmp_path
+):
+    """regenerate.tensor_parallel_size 2 on the CPU (two workers, each bound to a core by the
+    stage): the same greedy answers as one worker."""
+    proc = run_script(
+        demo_build["verifier"], demo_chat, tmp_path, batch_size_samples=8, tensor_parallel_size=2
+    )
+    assert "engine ready" in proc.stderr
+    one = read_jsonl(greedy[0] / "chat_data.jsonl")
+    two = read_jsonl(tmp_path / "chat_data.jsonl")
+    assert [r["id"] for r in two] == [r["id"] for r in one]
+    assert [r["messages"] for r in two] == [r["messages"] for r in one]
 
 
 def test_every_kind_of_bad_row_is_named_and_counted_before_the_model_loads(

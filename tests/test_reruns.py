@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.workflow_runner import TARGET_RULES, planned, snakemake, write_config
+from tests.workflow_runner import (
+    TARGET_RULES,
+    planned,
+    planned_in_process,
+    snakemake,
+    write_config,
+)
 from workflow_scripts.lib.code_inputs import closure, module_file
 from workflow_scripts.lib.config import ConfigError, load_config
 from workflow_scripts.lib.registry import STAGES
@@ -41,7 +47,7 @@ def rule_of(stage: str) -> str:
 
 def downstream(work: Path) -> dict[str, set[str]]:
     """Each rule of the built DAG -> itself and every rule after it (from --rulegraph)."""
-    dot = snakemake(work, "--rulegraph", TARGET).stdout
+    dot = snakemake(work, "--rulegraph", "dot", TARGET).stdout
     names = dict(re.findall(r"^\s*(\d+)\[label = \"(\w+)\"", dot, flags=re.M))
     after: dict[str, set[str]] = {name: set() for name in names.values()}
     for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dot, flags=re.M):
@@ -115,6 +121,7 @@ SETTINGS = [
 def built(built_default):
     work, config = built_default
     assert planned(work, TARGET) == {}
+    assert planned_in_process(work, TARGET, config) == {}
     return work, config, downstream(work)
 
 
@@ -134,11 +141,7 @@ def test_a_changed_setting_plans_exactly_what_it_affects(built, stage, name):
     if changed is None:
         assert (stage, name) in NO_OTHER_VALUE, f"no other valid value for {stage}.{name}"
         pytest.skip(NO_OTHER_VALUE[(stage, name)])
-    write_config(work, changed)
-    try:
-        plan = set(planned(work, TARGET))
-    finally:
-        write_config(work, config)
+    plan = set(planned_in_process(work, TARGET, changed))
     assert plan == expected_plan(stage, name, graph), (changed[stage], plan)
 
 
@@ -183,7 +186,7 @@ def code_files(work: Path) -> list[str]:
 
 @pytest.mark.parametrize("rel", code_files(Path(__file__).resolve().parents[1]))
 def test_a_code_edit_plans_the_stages_that_import_it(built, rel):
-    work, _, graph = built
+    work, config, graph = built
     module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     assert module_file(module, work) == work / rel
     importers = {
@@ -194,7 +197,7 @@ def test_a_code_edit_plans_the_stages_that_import_it(built, rel):
     original = path.read_text()
     path.write_text(original + "\n# edited\n")
     try:
-        plan = set(planned(work, TARGET))
+        plan = set(planned_in_process(work, TARGET, config))
     finally:
         path.write_text(original)
     assert plan == expected

@@ -33,6 +33,7 @@ from workflow_scripts.lib.checkpoint import (
     write_draft_checkpoint,
 )
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.draft_attention import dense_ttt_attention, ttt_attention
 from workflow_scripts.lib.draft_model import (
     DraftConfig,
     Eagle3Draft,
@@ -202,6 +203,60 @@ def test_ttt_rows_do_not_see_each_other_or_padding():
         torch.testing.assert_close(together[k][0, :n_valid], alone[k][0, :n_valid])
 
 
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_attention_linear_in_the_steps_equals_the_dense_reference(steps, kv_heads):
+    """float64: the fused causal part plus the diagonal terms, merged by log-sum-exp, equals the
+    dense attention over all steps' keys with an explicit mask, outputs and gradients to 1e-10."""
+    torch.manual_seed(steps * 10 + kv_heads)
+    B, H, n, d = 3, 4, 29, 8
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    qs = [torch.randn(B, H, n, d, **f64) for _ in range(steps)]
+    cache = [(torch.randn(B, kv_heads, n, d, **f64), torch.randn(B, kv_heads, n, d, **f64))]
+    cache += [
+        (torch.randn(B, kv_heads, n, d, **f64), torch.randn(B, kv_heads, n, d, **f64))
+        for _ in range(steps - 1)
+    ]
+    leaves = qs + [t for kv in cache for t in kv]
+    results = []
+    for attention in (ttt_attention, dense_ttt_attention):
+        outs = [attention(q, cache[: i + 1]) for i, q in enumerate(qs)]
+        weights = torch.Generator().manual_seed(0)
+        loss = sum((o * torch.randn(o.shape, generator=weights, dtype=o.dtype)).sum() for o in outs)
+        results.append((outs, torch.autograd.grad(loss, leaves)))
+    (new, new_grads), (dense, dense_grads) = results
+    for a, b in zip(new + list(new_grads), dense + list(dense_grads)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_draft_loss_and_gradients_equal_with_the_dense_attention():
+    """The whole training step's loss and every gradient, float64, several right-padded rows of
+    different lengths in one micro-batch, 7 TTT steps: linear attention == dense reference."""
+    model = small_draft(kv_heads=2).double().train()
+    torch.manual_seed(3)
+    B, L, steps = 3, 23, 7
+    aux = torch.randn(B, L, 3, 32, dtype=torch.float64)
+    final = torch.randn(B, L, 32, dtype=torch.float64)
+    ids = torch.randint(0, 50, (B, L))
+    mask = torch.rand(B, L) < 0.7
+    for row, length in enumerate((23, 15, 9)):  # padding: masked, and its states anything
+        mask[row, length:] = False
+    teacher = TeacherHead(torch.rand(32) + 0.5, torch.randn(20, 32), 1e-6).double()
+    results = []
+    for dense in (False, True):
+        model.layers[0].self_attn.dense = dense
+        model.zero_grad()
+        loss, stats = model(aux, final, ids, mask, teacher, steps)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), stats, grads))
+    (loss, stats, grads), (ref_loss, ref_stats, ref_grads) = results
+    torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=1e-10)
+    assert stats["count"].tolist() == ref_stats["count"].tolist()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize(
     "rope",
     [
@@ -314,7 +369,7 @@ def test_checkpoint_format(tmp_path):
         verifier_name_or_path="/models/verifier",
         verifier_architectures=["LlamaForCausalLM"],
     )
-    write_draft_checkpoint(tmp_path / "draft", model.trainable_state_dict(), cfg, d2t, t2d)
+    write_draft_checkpoint(tmp_path / "draft", model.checkpoint_state_dict(), cfg, d2t, t2d)
     config, tensors = read_draft_checkpoint(tmp_path / "draft")
     assert config["speculators_model_type"] == "eagle3"
     assert config["architectures"] == ["Eagle3Speculator"]
@@ -327,7 +382,10 @@ def test_checkpoint_format(tmp_path):
     assert tensors["layers.0.self_attn.q_proj.weight"].shape == (32, 64)
     assert tensors["lm_head.weight"].shape == (20, 32)
     assert torch.equal(tensors["d2t"], d2t) and torch.equal(tensors["t2d"], t2d)
-    assert not any(k.startswith("embed_tokens") for k in tensors)
+    # the verifier's embedding, as trained with: vLLM needs it under pipeline parallelism
+    assert torch.equal(tensors["embed_tokens.weight"], model.embed_tokens.weight)
+    with pytest.raises(ValueError, match="lack embed_tokens.weight"):
+        write_draft_checkpoint(tmp_path / "bad", model.trainable_state_dict(), cfg, d2t, t2d)
     with pytest.raises(ValueError, match="ascending"):
         speculators_config(**{**dict(
             layer_config=layer, draft_vocab_size=20, num_speculative_tokens=3,

@@ -4,12 +4,14 @@
     <dir>/config.json        speculators_model_type "eagle3", architectures ["Eagle3Speculator"],
                              the draft's Llama layer (transformer_layer_config), the auxiliary
                              layer ids in vLLM's convention, the verifier it was trained for
-    <dir>/model.safetensors  fc.weight [H, mH], layers.0.*, norm.weight, lm_head.weight [K, H],
-                             d2t int64 [K] and t2d bool [V] (only when K < V)
+    <dir>/model.safetensors  embed_tokens.weight [V, H], fc.weight [H, mH], layers.0.*,
+                             norm.weight, lm_head.weight [K, H], d2t int64 [K] and t2d bool [V]
+                             (only when K < V)
 
 vLLM reads ``d2t`` (target id = i + d2t[i]) and skips ``t2d``; both are written so the checkpoint
-is also complete for the speculators library. The embedding is not written: vLLM then shares the
-verifier's, which is what the draft was trained with.
+is also complete for the speculators library. The embedding is the verifier's, as the draft was
+trained with it (frozen): vLLM shares the verifier's embedding with a draft only without pipeline
+parallelism, and leaves a draft's own uninitialised otherwise, so it is always written.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def write_draft_checkpoint(
     lm_head = weights["lm_head.weight"]
     if lm_head.shape[0] != draft_vocab_size:
         raise ValueError(f"lm_head has {lm_head.shape[0]} rows, draft vocab is {draft_vocab_size}")
+    if "embed_tokens.weight" not in weights:
+        raise ValueError("the draft's weights lack embed_tokens.weight (the verifier's embedding)")
     tensors = {
         name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
         for name, t in weights.items()
-        if not name.startswith("embed_tokens.")
     }
     if draft_vocab_size < t2d.numel():
         tensors["d2t"] = d2t.to(torch.int64).cpu().contiguous()

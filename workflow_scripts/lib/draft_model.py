@@ -35,6 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from workflow_scripts.lib.draft_attention import dense_ttt_attention, ttt_attention
 
 # Keys of the verifier's config.json copied into the draft's Llama layer config unchanged, so the
 # draft's attention geometry and RoPE are the verifier's (the embedding is shared).
@@ -186,14 +189,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (at_least_float32(x) * cos + at_least_float32(rotated) * sin).to(x.dtype)
 
 
-def ttt_attention_mask(n: int, step: int, device) -> torch.Tensor:
-    """Which keys a query may see at TTT ``step``: [n, (step+1)*n] bool. Keys are laid out as the
-    step-0 keys (causal), then one block per later step (only the same index: the diagonal)."""
-    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    diagonal = torch.eye(n, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diagonal] * step, dim=1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -207,23 +202,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.dense = False  # True: the quadratic reference attention (tests, benchmark)
 
     def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]):
         """x: [B, n, 2H]. ``cache`` holds the (k, v) of the earlier TTT steps; this step's are
-        appended, and the queries attend to all of them through ``ttt_attention_mask``."""
+        appended, and the queries attend to the step-0 keys causally and to their own position's
+        keys of the later steps (``draft_attention.py``)."""
         B, n, _ = x.shape
         q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.append((k, v))
-        keys = torch.cat([c[0] for c in cache], dim=2)
-        values = torch.cat([c[1] for c in cache], dim=2)
-        if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves a group
-            keys = keys.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            values = values.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        mask = ttt_attention_mask(n, len(cache) - 1, x.device)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = (dense_ttt_attention if self.dense else ttt_attention)(q, cache)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim))
 
 
@@ -260,6 +251,9 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------- the draft
 
 STAT_KEYS = ("kl", "correct", "count")
+# positions x draft vocabulary of the logits the loss holds at once (256 MB in float32): at 8k
+# tokens and a 32k vocabulary, whole-step logits would take GBs per TTT step
+LOSS_CHUNK_ELEMENTS = 1 << 26
 
 
 class TeacherHead(nn.Module):
@@ -283,7 +277,7 @@ class TeacherHead(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """Parameter names are the checkpoint's (speculators format); ``embed_tokens`` is the
-    verifier's, frozen, and not saved."""
+    verifier's, frozen (not in the training state; in the checkpoint)."""
 
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
@@ -309,8 +303,12 @@ class Eagle3Draft(nn.Module):
                 nn.init.ones_(module.weight)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """What the checkpoint stores: everything but the verifier's embedding."""
+        """What training changes (and a training state stores): all but the embedding."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """What the draft checkpoint stores: everything, the verifier's embedding included."""
+        return {**self.trainable_state_dict(), "embed_tokens.weight": self.embed_tokens.weight}
 
     def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int):
         """The draft's outputs r for every TTT step: a list of ``ttt_steps`` tensors [B, n, H].
@@ -350,32 +348,40 @@ class Eagle3Draft(nn.Module):
         equals the teacher's top-1), ``count`` [S].
         """
         outputs = self.unroll(aux_hidden, input_ids, ttt_steps)
-        B, L = input_ids.shape
-        n = L - 1
+        n = input_ids.shape[1] - 1
         mask = loss_mask.bool()
-
-        # The teacher at position p is needed when x_{p+1} is counted (for some step).
-        needed = torch.zeros_like(mask)
-        needed[:, 1 : L - 1] = mask[:, 2:L]
-        teacher_lp = teacher.log_probs(final_hidden[needed])  # [N, K]
-        row_of = torch.full((B, L), -1, dtype=torch.long, device=mask.device)
-        row_of[needed] = torch.arange(teacher_lp.shape[0], device=mask.device)
+        rows = max(1, LOSS_CHUNK_ELEMENTS // self.cfg.draft_vocab_size)
 
         loss = outputs[0].new_zeros((), dtype=torch.float32)
         stats = {key: torch.zeros(ttt_steps, dtype=torch.float64) for key in STAT_KEYS}
         for k, r in enumerate(outputs):
             counted = shift_left(mask, 2 + k, n)  # x_{t+2+k} is an assistant token
             b, t = counted.nonzero(as_tuple=True)
-            target = teacher_lp[row_of[b, t + 1 + k]]
-            draft_lp = F.log_softmax(self.lm_head(self.norm(r[b, t])).float(), dim=-1)
-            kl = (target.exp() * (target - draft_lp)).sum(-1)
+            kl_sum, correct = loss.new_zeros(()), 0
+            for i in range(0, len(b), rows):  # [rows, K] logits at a time, recomputed backward
+                bb, tt = b[i : i + rows], t[i : i + rows]
+                kl, right = checkpoint(
+                    self.chunk_loss, r[bb, tt], final_hidden[bb, tt + 1 + k], teacher,
+                    use_reentrant=False,
+                )  # fmt: skip
+                kl_sum, correct = kl_sum + kl, correct + int(right)
             denominator = denominators[k] if denominators is not None else max(len(b), 1)
-            loss = loss + step_loss_decay**k * kl.sum() / max(denominator, 1)
-            with torch.no_grad():
-                stats["kl"][k] = kl.sum().double().cpu()
-                stats["correct"][k] = (draft_lp.argmax(-1) == target.argmax(-1)).sum().cpu()
-                stats["count"][k] = len(b)
+            loss = loss + step_loss_decay**k * kl_sum / max(denominator, 1)
+            stats["kl"][k] = kl_sum.detach().double().cpu()
+            stats["correct"][k] = correct
+            stats["count"][k] = len(b)
         return loss, stats
+
+    def chunk_loss(self, draft_states, teacher_states, teacher: TeacherHead):
+        """Summed forward KL(teacher || draft) and top-1 agreements over a chunk of positions:
+        draft_states [c, H] (the layer's output r), teacher_states [c, H] (the verifier's final
+        states where the predicted tokens sit)."""
+        target = teacher.log_probs(teacher_states)
+        draft_lp = F.log_softmax(self.lm_head(self.norm(draft_states)).float(), dim=-1)
+        kl = (target.exp() * (target - draft_lp)).sum(-1)
+        with torch.no_grad():
+            right = (draft_lp.argmax(-1) == target.argmax(-1)).sum()
+        return kl.sum(), right
 
 
 def shift_left(x: torch.Tensor, by: int, n: int) -> torch.Tensor:

@@ -120,20 +120,47 @@ def core_in_process(settings) -> bool:
     return not settings.use_gpus and settings.tensor_parallel_size == 1
 
 
-def make_llm(kwargs: dict[str, Any], in_process: bool = False):
-    """The engine. ``in_process``: its core and worker run in this process, which then steps
-    it itself; compute threads as vLLM's CPU worker would bind them: one core per worker left
-    to the scheduler (more threads than free cores stall at every parallel op)."""
+def bind_cpu_workers(tp: int) -> None:
+    """Tensor parallelism on the CPU: each of the ``tp`` workers gets an equal share of this job's
+    cores. vLLM's own binding gives each worker a NUMA node and stops where there are fewer
+    ("Not enough allowed NUMA nodes to bind threads"); a binding already in the environment
+    is kept."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise UserError(
+            f"tensor_parallel_size {tp} on the CPU needs a core per worker, and this job has "
+            f"{len(cores)}; lower tensor_parallel_size or give the job more cores"
+        )
+    share = len(cores) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in cores[i * share : (i + 1) * share]) for i in range(tp)
+    )
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # every core is some worker's
+
+
+def make_llm(kwargs: dict[str, Any], use_gpus: bool, in_process: bool | None = None):
+    """The engine, from ``engine_args``. On a CPU with one worker its core and worker run in
+    this process (``in_process``, by default), which then steps it itself, with compute threads
+    as vLLM's CPU worker would bind them: one core left to the scheduler (more threads than free
+    cores stall at every parallel op). On a CPU with several workers, each is bound to cores of
+    its own."""
     import torch
 
+    tp = int(kwargs.get("tensor_parallel_size", 1))
+    if in_process is None:
+        in_process = not use_gpus and tp == 1
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         torch.set_num_threads(cpu_threads())
+    if not use_gpus and tp > 1:
+        bind_cpu_workers(tp)
     if kwargs.get("kv_transfer_config") and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
         # vLLM's CPU backend keeps one more core free when a KV connector is configured (for
         # network transfers); the extraction connector writes from the worker's own thread, so
         # the extraction engine gets the same cores as a plain one
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(kwargs.get("tensor_parallel_size", 1))
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
     # the engine's worker processes import project modules (the extraction connector)
     path = os.environ.get("PYTHONPATH", "")
     if str(ROOT) not in path.split(os.pathsep):

@@ -18,10 +18,11 @@ from workflow_scripts.lib.chat import (
     prompt_ids,
     read_lines,
 )
-from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.engine import make_llm
+from workflow_scripts.lib.common import UserError, write_json
+from workflow_scripts.lib.engine import close_llm, make_llm
 
 log = logging.getLogger("eagle3")
+CHILD_EXIT_S = 10  # seconds an engine's process gets to exit once it has written its results
 
 
 def prompt_messages(row) -> list[dict[str, str]]:
@@ -71,7 +72,7 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
     from vllm import SamplingParams
 
     # one CPU worker: the engine core runs in this process (see engine.make_llm)
-    llm = make_llm(job["engine"], in_process=job["cpu"])
+    llm = make_llm(job["engine"], use_gpus=job["use_gpus"])
     prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in job["prompts"]]
     # warm-up: one short request, so that start-up cost is not counted as generation time
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
@@ -114,7 +115,8 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
             "acceptance_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
             "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         }
-    Path(out_path).write_text(json.dumps(results))
+    write_json(out_path, results)  # atomically: the parent waits for this file
+    close_llm(llm)
 
 
 def run_in_child(job: dict[str, Any], scratch: Path, name: str) -> dict[str, Any]:
@@ -123,8 +125,15 @@ def run_in_child(job: dict[str, Any], scratch: Path, name: str) -> dict[str, Any
     log.info("evaluate: starting engine '%s'", name)
     start = time.perf_counter()
     proc.start()
-    proc.join()
-    if proc.exitcode != 0 or not out.exists():
+    while proc.is_alive() and not out.exists():
+        proc.join(timeout=1.0)
+    # its results written, the engine process gets a while to stop, then is stopped
+    proc.join(timeout=CHILD_EXIT_S)
+    if proc.is_alive():
+        log.warning("evaluate: engine '%s' did not exit after its results; stopping it", name)
+        proc.kill()
+        proc.join()
+    elif proc.exitcode != 0 or not out.exists():
         raise UserError(
             f"vLLM engine '{name}' failed (exit code {proc.exitcode}); see the log above"
         )

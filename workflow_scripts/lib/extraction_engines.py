@@ -394,7 +394,7 @@ def run_backend(io, p, plan: Plan, todo, dtype, progress, on_sample, on_shard) -
         layer_list = plan.aux_ids + [plan.num_layers]
         llm = engine.make_llm(
             vllm_engine_args(io.verifier, p, plan.dtype, layer_list, scratch),
-            in_process=engine.core_in_process(p),
+            use_gpus=p.use_gpus,
         )
         try:
             progress.start = time.monotonic()

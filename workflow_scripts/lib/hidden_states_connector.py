@@ -46,6 +46,16 @@ from workflow_scripts.lib.shards import write_sample_rows
 logger = init_logger(__name__)
 
 TARGET_KEY = "shard_target"  # key in a request's kv_transfer_params
+# A file to which every written sample appends "<pid> <request id> <tokens>" (tests, debugging):
+# with tensor parallelism, one worker (rank 0) writes every sample, once.
+WRITE_LOG_ENV = "EAGLE3_SHARD_WRITE_LOG"
+
+
+def _log_write(req_id: str, num_tokens: int) -> None:
+    path = os.environ.get(WRITE_LOG_ENV)
+    if path:
+        with open(path, "a") as fh:
+            fh.write(f"{os.getpid()} {req_id} {num_tokens}\n")
 
 
 @dataclass
@@ -158,6 +168,7 @@ class ShardHiddenStatesConnector(ExampleHiddenStatesConnector):
                     self._kv_cache, pending.block_ids, self._block_size, num_tokens
                 )
                 write_sample_rows(target["path"], aux, final, target)
+                _log_write(pending.req_id, num_tokens)
                 status = f"ok {num_tokens}"
             except Exception as exc:  # reported to the driver through the lock file
                 logger.error("hidden-state write failed for %s: %r", pending.req_id, exc)
@@ -181,17 +192,20 @@ class ShardHiddenStatesConnector(ExampleHiddenStatesConnector):
             final.copy_(final_dev, non_blocking=True)
         copy_done = torch.cuda.Event()
         copy_done.record(copy_stream)
-        future = self._executor.submit(self._write_job, aux, final, copy_done, target, lock_fd)
+        future = self._executor.submit(
+            self._write_job, aux, final, copy_done, target, lock_fd, pending.req_id
+        )
         self._req_copy_events[pending.req_id] = copy_done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
     @staticmethod
-    def _write_job(aux, final, event, target: dict[str, Any], lock_fd: int | None) -> None:
+    def _write_job(aux, final, event, target: dict[str, Any], lock_fd: int | None, req_id) -> None:
         status = "error: not written"
         try:
             event.synchronize()
             write_sample_rows(target["path"], aux, final, target)
+            _log_write(req_id, aux.shape[0])
             status = f"ok {aux.shape[0]}"
         except Exception as exc:
             status = f"error {exc!r}"

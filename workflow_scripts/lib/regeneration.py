@@ -350,7 +350,7 @@ def make_engine(io, p, dtype: str):
         max_num_batched_tokens=max(p.batch_budget_tokens, p.max_model_len_tokens),
         disable_log_stats=True,
     )
-    return engine.make_llm(kwargs, in_process=engine.core_in_process(p))
+    return engine.make_llm(kwargs, use_gpus=p.use_gpus)
 
 
 # --------------------------------------------------------------------------- merge

@@ -79,6 +79,13 @@ def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
     }
 
 
+def gpu_memory(device: torch.device) -> str:
+    """', peak GPU memory X GiB' on a GPU (the most this process has held so far), else ''."""
+    if device.type != "cuda":
+        return ""
+    return f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+
+
 def fmt_list(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
@@ -119,7 +126,7 @@ def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO
         norm_before_residual=model.cfg.norm_before_residual,
         dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
     )
-    write_draft_checkpoint(directory, model.trainable_state_dict(), config, inputs.d2t, inputs.t2d)
+    write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)
 
 
 class Trainer:
@@ -137,7 +144,7 @@ class Trainer:
         model, teacher = build_draft(inputs, p.seed, embed_dtype=None if on_gpu else torch.float32)
         self.model, self.teacher = model.to(d.device), teacher.to(d.device)
         cfg = self.model.cfg
-        if d.world > 1:
+        if d.distributed:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model,
                 device_ids=[d.local_rank] if on_gpu else None,
@@ -200,7 +207,7 @@ class Trainer:
             "python": random.getstate(),
         }
         rngs = [None] * self.d.world
-        if self.d.world > 1:
+        if self.d.distributed:
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
@@ -283,7 +290,9 @@ class Trainer:
         for i, mb in enumerate(data.micro_batches):
             mb = mb.to(self.d.device, non_blocking=True)
             last = i == len(data.micro_batches) - 1
-            sync = contextlib.nullcontext() if last or self.d.world == 1 else self.ddp.no_sync()
+            sync = (
+                contextlib.nullcontext() if last or not self.d.distributed else self.ddp.no_sync()
+            )
             with sync:
                 with self.autocast():
                     loss, s = self.ddp(
@@ -386,7 +395,7 @@ class Trainer:
             if d.main and (done == 1 or self.step % p.log_every_steps == 0 or self.step == total):
                 log.info(
                     "step %d/%d epoch %d: loss %.4f, top-1 agreement per TTT step %s, lr %.2e, "
-                    "%.0f tokens/s, ETA %s",
+                    "%.0f tokens/s, ETA %s%s",
                     self.step,
                     total,
                     row["epoch"] + 1,
@@ -395,6 +404,7 @@ class Trainer:
                     row["lr"],
                     window_tokens / max(now - window_start, 1e-9),
                     format_seconds(eta),
+                    gpu_memory(d.device),
                 )
                 window_start, window_tokens = now, 0
             # validation before the state is saved: a state at step s has every row up to s

@@ -26,17 +26,18 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    distributed: bool = False  # a process group (DDP): several processes, or under torchrun
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     def barrier(self):
-        if self.world > 1:
+        if self.distributed:
             dist.barrier()
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
+        if self.distributed:
             t = t.to(self.device)
             dist.all_reduce(t)
         return t.cpu()
@@ -55,9 +56,11 @@ def setup_processes(p: TrainParams) -> Dist:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # else torch already follows it
             torch.set_num_threads(threads_per_process(world))
-    if world > 1:
+    # a process group whenever torchrun started us, one process too (its NCCL path then runs)
+    distributed = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+    if distributed:
         dist.init_process_group("nccl" if p.num_gpus > 0 else "gloo")
-    return Dist(rank, world, local_rank, device)
+    return Dist(rank, world, local_rank, device, distributed)
 
 
 def threads_per_process(world: int) -> int:

@@ -66,7 +66,7 @@ def main() -> None:
             "runs": runs,
             "max_new_tokens": p.max_new_tokens,
             "seed": 0,
-            "cpu": engine.core_in_process(p),
+            "use_gpus": p.use_gpus,
         }
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         inputs = check_inputs(io, p)
         Trainer(io, p, inputs, d).run()
     finally:
-        if d.world > 1 and dist.is_initialized():
+        if d.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
