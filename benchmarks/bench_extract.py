@@ -1,18 +1,22 @@
 """Extraction throughput against plain prefill, and bytes written per token against the floor.
 
     python benchmarks/bench_extract.py [VERIFIER_DIR] [--tokenized FILE] [--samples N]
+        [--storage-dtype compute bfloat16 float8_e4m3fn]
 
 In one run, on the same samples and with the same engine settings (config.yaml's extract
 section, overridable with --set KEY=VALUE):
 
 1. a plain vLLM engine prefills every sample (max_tokens=1, no extraction);
 2. an extraction engine (extract_hidden_states + the project's connector) runs the same samples
-   through the stage's own driver loop and writes real shards, checksums included.
+   through the stage's own driver loop and writes real shards, checksums included, once per
+   storage dtype of ``--storage-dtype`` (the passes of the dtypes interleaved, one engine).
 
 Each is timed over ``--passes`` passes after a warm-up, best pass kept (other jobs may share the
-machine). Prints tokens/s of both and their ratio (target >= 0.8), and the shard bytes per token
-against the floor, (aux layers + 1) x hidden x dtype bytes (target within 2%; the token ids,
-loss mask, offsets and header of each shard count as overhead).
+machine). Prints tokens/s of each and its ratio to plain prefill (target >= 0.8; >= 0.9 for
+float8 storage, whose encoding is extra work in the engine), and the shard bytes per token
+against the compute dtype's floor, (aux layers + 1) x hidden x dtype bytes: stored as computed
+within 2% (the token ids, loss mask, offsets and header of each shard count as overhead), as
+float8 from float32 about 0.25 (plus a 4-byte scale per token and layer).
 
 VERIFIER_DIR defaults to results/demo/verifier. Without --tokenized the samples are random token
 ids with lengths drawn from [--min-tokens, --max-tokens].
@@ -39,7 +43,7 @@ from workflow_scripts.lib import extraction_engines as backends  # noqa: E402
 from workflow_scripts.lib.config import load_config  # noqa: E402
 from workflow_scripts.lib.definitions import ExtractParams  # noqa: E402
 from workflow_scripts.lib.manifest import shard_name  # noqa: E402
-from workflow_scripts.lib.shards import TORCH_DTYPES  # noqa: E402
+from workflow_scripts.lib.shards import TORCH_DTYPES, storage_dtype_name  # noqa: E402
 from workflow_scripts.lib.verifier import aux_layer_ids, verifier_config  # noqa: E402
 
 
@@ -67,6 +71,13 @@ def parse_args() -> argparse.Namespace:
         choices=("auto", "in", "separate"),
         default="auto",
         help="engine core in this process or its own (auto: as the stage does)",
+    )
+    ap.add_argument(
+        "--storage-dtype",
+        nargs="+",
+        default=["compute"],
+        choices=("compute", "bfloat16", "float8_e4m3fn"),
+        help="extract.storage_dtype values to extract with, side by side",
     )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
@@ -109,15 +120,18 @@ def shard_jobs(samples, shard_size: int, out: Path, meta: dict):
     return jobs
 
 
-def timed_passes(run, passes: int, what: str) -> float:
-    """Seconds of the best of ``passes`` runs (each pass printed)."""
-    times = []
+def timed_passes(runs: dict, passes: int) -> dict[str, float]:
+    """Seconds of the best of ``passes`` runs of each of ``runs`` (name -> function), the runs
+    interleaved pass by pass (each pass printed)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(passes):
-        start = time.monotonic()
-        run()
-        times.append(time.monotonic() - start)
-    print(f"{what} passes (s): {' '.join(f'{t:.2f}' for t in times)}", flush=True)
-    return min(times)
+        for name, run in runs.items():
+            start = time.monotonic()
+            run()
+            times[name].append(time.monotonic() - start)
+    for name, ts in times.items():
+        print(f"{name} passes (s): {' '.join(f'{t:.2f}' for t in ts)}", flush=True)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -162,24 +176,25 @@ def main() -> None:
             )
 
         prefill(warm)
-        prefill_s = timed_passes(lambda: prefill(samples), args.passes, "prefill")
+        prefill_s = timed_passes({"prefill": lambda: prefill(samples)}, args.passes)["prefill"]
     finally:
         engine.close_llm(llm)
 
-    # 2. extraction into real shards
+    # 2. extraction into real shards, in each storage dtype
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     scratch = work / "requests"
     scratch.mkdir()
-    written = {"bytes": 0, "tokens": 0}
+    storages = list(dict.fromkeys(storage_dtype_name(s, dtype_name) for s in args.storage_dtype))
+    written = {name: {"bytes": 0, "tokens": 0} for name in storages}
     kwargs = backends.vllm_engine_args(args.verifier, p, dtype_name, aux + [n_layers], scratch)
     llm = engine.make_llm(kwargs, p.use_gpus, in_process)
     try:
 
-        def extraction(batch):
+        def extraction(batch, storage: str):
             out = work / "shards"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            written.update(bytes=0, tokens=0)
+            written[storage].update(bytes=0, tokens=0)
 
             finisher = backends.Finisher()  # as the stage does: fsync, rename, checksum
             backends.run_vllm(
@@ -190,44 +205,51 @@ def main() -> None:
                 extract=True,
                 num_aux=len(aux),
                 hidden_size=hidden,
-                dtype=dtype,
+                storage=TORCH_DTYPES[storage],
                 on_shard=lambda job: finisher.submit(job.writer.finish),
                 **loop,
             )
             for entry in finisher.wait():
-                written["bytes"] += entry["bytes"]
-                written["tokens"] += entry["num_tokens"]
+                written[storage]["bytes"] += entry["bytes"]
+                written[storage]["tokens"] += entry["num_tokens"]
             finisher.close()
 
-        extraction(warm)
-        extract_s = timed_passes(lambda: extraction(samples), args.passes, "extraction")
+        for storage in storages:
+            extraction(warm, storage)
+        extract_s = timed_passes(
+            {s: (lambda s=s: extraction(samples, s)) for s in storages}, args.passes
+        )
     finally:
         engine.close_llm(llm)
         shutil.rmtree(work, ignore_errors=True)
 
     floor = (len(aux) + 1) * hidden * dtype.itemsize
-    per_token = written["bytes"] / written["tokens"]
     result = {
         "verifier": str(args.verifier),
         "samples": len(samples),
         "tokens": tokens,
         "engine_in_process": in_process,
+        "compute_dtype": dtype_name,
         "prefill_tokens_per_s": tokens / prefill_s,
-        "extract_tokens_per_s": tokens / extract_s,
-        "throughput_ratio": prefill_s / extract_s,
-        "bytes_per_token": per_token,
         "floor_bytes_per_token": floor,
-        "bytes_ratio": per_token / floor,
+        "storage": {},
     }
-    print(f"plain prefill : {result['prefill_tokens_per_s']:10.0f} tokens/s ({prefill_s:.2f} s)")
-    print(f"extraction    : {result['extract_tokens_per_s']:10.0f} tokens/s ({extract_s:.2f} s)")
-    print(
-        f"throughput ratio extraction / prefill: {result['throughput_ratio']:.3f} (target >= 0.8)"
-    )
-    print(
-        f"bytes per token: {per_token:.1f} written, floor {floor} ((aux {len(aux)} + 1) x {hidden} x "
-        f"{dtype.itemsize}); ratio {result['bytes_ratio']:.4f} (target <= 1.02)"
-    )
+    print(f"plain prefill : {tokens / prefill_s:10.0f} tokens/s ({prefill_s:.2f} s)")
+    for storage in storages:
+        per_token = written[storage]["bytes"] / written[storage]["tokens"]
+        r = {
+            "extract_tokens_per_s": tokens / extract_s[storage],
+            "throughput_ratio": prefill_s / extract_s[storage],
+            "bytes_per_token": per_token,
+            "bytes_ratio": per_token / floor,
+        }
+        result["storage"][storage] = r
+        print(
+            f"extraction stored as {storage:13s}: {r['extract_tokens_per_s']:10.0f} tokens/s "
+            f"({extract_s[storage]:.2f} s); extraction / prefill {r['throughput_ratio']:.3f}; "
+            f"{per_token:.1f} bytes per token, {r['bytes_ratio']:.4f} of the {dtype_name} floor "
+            f"{floor} ((aux {len(aux)} + 1) x {hidden} x {dtype.itemsize})"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -27,7 +27,7 @@ OWNERS = {
     "demo": ("demo_data", "demo_verifier"),
     "regenerate": ("regeneration",),
     "vocab": ("vocab_map",),
-    "extract": ("extraction", "extraction_engines", "hidden_states_connector"),
+    "extract": ("extraction", "disk_plan", "extraction_engines", "hidden_states_connector"),
     "train": ("trainer", "training_inputs", "training_data", "training_processes"),
     "evaluate": ("evaluation", "evaluation_plots"),
 }

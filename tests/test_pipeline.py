@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,23 @@ def test_evaluation_with_tensor_parallel_workers(pipeline, tmp_path):
     out = json.loads(files["results"].read_text())
     assert out["num_prompts"] == 8 and out["greedy_lossless"], out["summary"]
     assert out["runs"]["eagle3"]["mean_acceptance_length"] >= 2.5, out["summary"]
+
+
+def test_float8_storage_builds_to_a_draft(pipeline, tmp_path):
+    """extract.storage_dtype float8_e4m3fn, on a copy of the built default (training shortened):
+    the shards take about a quarter of float32's bytes, training reads them, a draft results."""
+    work, config = pipeline
+    copy = tmp_path / "wf"
+    shutil.copytree(work, copy, symlinks=True)
+    with_config(copy, config, extract={"storage_dtype": "float8_e4m3fn"}, train={"epochs": 2})
+    assert planned(copy, "draft_ckpt") == {"extract": 1, "extract_merge": 1, "train": 1}
+    snakemake(copy, "--cores", "2", "draft_ckpt")
+    manifest = json.loads((copy / "results/extract/manifest.json").read_text())
+    before = json.loads((work / "results/extract/manifest.json").read_text())
+    assert manifest["storage_dtype"] == "float8_e4m3fn" and before["storage_dtype"] == "float32"
+    disk = manifest["disk"]
+    assert disk["by_storage_dtype"]["float32"]["bytes"] == before["bytes"]
+    assert 0.25 < manifest["bytes"] / before["bytes"] < 0.3
+    assert 0 < disk["final_rows"] < manifest["num_tokens"] and disk["final_rows_saved_bytes"] > 0
+    assert (copy / "results/train/draft/model.safetensors").is_file()
+    assert planned(copy, "draft_ckpt") == {}

@@ -117,8 +117,10 @@ def write_extraction(
     out_dir: Path,
     aux_ids: list[int],
     shard_size: int = 16,
+    storage: str = "float32",
 ) -> Path:
-    """Shards and a manifest as the extraction stage writes them."""
+    """Shards and a manifest as the extraction stage writes them (states stored as
+    ``storage``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     entries = []
@@ -128,7 +130,9 @@ def write_extraction(
             aux, final = hidden_states(model, ids, aux_ids)
             states.append(shards.SampleStates(aux, final, ids, mask))
         path = out_dir / manifest.shard_name(len(entries))
-        entries.append(shards.write_shard(path, states, s0, fingerprint=f"test-{s0}"))
+        entries.append(
+            shards.write_shard(path, states, s0, f"test-{s0}", storage=shards.TORCH_DTYPES[storage])
+        )
     record = {
         "format_version": manifest.FORMAT_VERSION,
         "layer_convention": manifest.LAYER_CONVENTION,
@@ -137,6 +141,7 @@ def write_extraction(
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "dtype": "float32",
+        "storage_dtype": storage,
         "verifier": {
             "path": str(verifier_dir),
             **verifier.identity(verifier_dir),
@@ -188,12 +193,13 @@ def build_inputs(
     aux_ids=(1, 2, 3),
     draft_vocab_size: int = 64,
     shard_size: int = 16,
+    storage: str = "float32",
 ) -> TrainInputs:
     model = model if model is not None else tiny_verifier()
     samples = samples if samples is not None else random_samples(64, model.config.vocab_size, 0)
     verifier = save_verifier(model, root / "verifier")
     manifest = write_extraction(
-        model, verifier, samples, root / "extract", list(aux_ids), shard_size=shard_size
+        model, verifier, samples, root / "extract", list(aux_ids), shard_size, storage
     )
     vocab_map = write_vocab_map(
         root / "vocab" / "vocab_map.safetensors", samples, model.config.vocab_size, draft_vocab_size

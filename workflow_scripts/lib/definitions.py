@@ -321,11 +321,17 @@ class ExtractParams(EngineSettings):
         "kept for the token vLLM must generate): stop before the model loads, or skip it and "
         "count it in the manifest.",
     )
+    storage_dtype: Literal["compute", "bfloat16", "float8_e4m3fn"] = Field(
+        "compute",
+        description="How the shards store the hidden states: compute (the dtype they are "
+        "computed in), bfloat16, or float8_e4m3fn with one float32 scale per token and layer "
+        "(about a quarter of float32's bytes). Encoded where the states are gathered, decoded "
+        "by training.",
+    )
     disk_margin: float = Field(
         1.1,
         ge=1,
-        description="Free disk needed = estimated bytes of the shards still to write "
-        "x this factor.",
+        description="Free disk needed = exact bytes of the shards still to write x this factor.",
     )
     progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
 

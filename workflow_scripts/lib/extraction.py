@@ -4,8 +4,8 @@ an engine over the shards still to compute, and a job's part manifest.
 The samples (lines of tokenized_data.jsonl) are cut into shards of ``shard_size_samples``:
 shard i holds samples [i*S, (i+1)*S), and job j of ``num_jobs`` computes the shards with
 i % num_jobs == j. Every shard carries a fingerprint of what it was computed from (the data's
-sha256, the verifier's identity, layer ids, dtype, backend, sample range and the samples skipped
-in it). A shard whose file exists with the expected fingerprint is reused; every other one is
+sha256, the verifier's identity, layer ids, dtypes, backend, sample range and the samples
+skipped in it). A shard whose file exists with the expected fingerprint is reused; every other one is
 computed into a temporary file and renamed when complete, so a killed job redoes only the shards
 it had not finished, and a job with nothing left to do never loads the model.
 """
@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,11 +26,13 @@ import torch
 from workflow_scripts.lib import engine, preflight, verifier
 from workflow_scripts.lib.common import UserError, write_json
 from workflow_scripts.lib.manifest import FORMAT_VERSION, LAYER_CONVENTION, shard_name
+from workflow_scripts.lib.shard_writer import remove_stale_tmp, shard_entry
 from workflow_scripts.lib.shards import (
     TORCH_DTYPES,
-    remove_stale_tmp,
-    shard_entry,
+    read_positions,
     shard_fingerprint,
+    shard_layout,
+    storage_dtype_name,
 )
 
 log = logging.getLogger("eagle3")
@@ -109,6 +110,7 @@ class ShardPlan:
     skipped: list[int]
     path: Path
     fingerprint: str = ""
+    final_rows: int = 0  # final states stored: at the positions the loss reads
     entry: dict[str, Any] | None = None  # the manifest entry when already finished
 
     @property
@@ -121,8 +123,10 @@ class Plan:
     verifier: Path
     cfg: dict[str, Any]
     aux_ids: list[int]
-    dtype: str
+    dtype: str  # the compute dtype
+    storage: str  # the dtype the shards store the states in
     common: dict[str, Any]
+    key: dict[str, Any]  # what every shard's content depends on (its fingerprint, with its range)
     line_offsets: np.ndarray
     num_samples: int
     shards: list[ShardPlan] = field(default_factory=list)
@@ -139,9 +143,42 @@ class Plan:
     def todo(self) -> list[ShardPlan]:
         return [s for s in self.shards if s.entry is None]
 
-    def bytes_per_token(self) -> int:
-        elem = TORCH_DTYPES[self.dtype].itemsize
-        return (len(self.aux_ids) + 1) * self.hidden_size * elem + 8 + 1
+    def shard_metadata(self, shard: ShardPlan, storage: str | None = None) -> dict[str, str]:
+        """The safetensors metadata of a shard (stored as ``storage``, by default the plan's)."""
+        storage = storage or self.storage
+        return {
+            "fingerprint": fingerprint(shard_key(self.key, storage), shard),
+            "sample_start": str(shard.start),
+            "sample_end": str(shard.end),
+            "skipped_samples": json.dumps(shard.skipped),
+            "aux_layer_ids": json.dumps(self.aux_ids),
+            "final_layer_id": str(self.num_layers),
+            "layer_convention": LAYER_CONVENTION,
+            "dtype": self.dtype,
+            "storage_dtype": storage,
+            "format_version": str(FORMAT_VERSION),
+        }
+
+    def shard_bytes(self, shard: ShardPlan, storage: str | None = None) -> int:
+        """The exact size of a shard's file (0 when every sample of it is skipped)."""
+        if not shard.samples:
+            return 0
+        layout = shard_layout(
+            len(shard.samples),
+            shard.num_tokens,
+            shard.final_rows,
+            len(self.aux_ids),
+            self.hidden_size,
+            TORCH_DTYPES[storage or self.storage],
+            self.shard_metadata(shard, storage),
+        )
+        return layout.file_bytes
+
+
+def shard_key(key: dict[str, Any], storage: str) -> dict[str, Any]:
+    """The fingerprint key for a storage dtype. Stored as computed, the key is the one shards had
+    before storage dtypes existed, so that those shards stay valid."""
+    return key if storage == key["dtype"] else {**key, "storage_dtype": storage}
 
 
 def fingerprint(common_key: dict[str, Any], shard: ShardPlan) -> str:
@@ -193,6 +230,7 @@ def make_plan(io, p) -> Plan:
     identity = verifier.identity(io.verifier)  # the weight files checked too
     aux_ids = preflight.check_extract(p, cfg)
     dtype = engine.resolve_dtype(p, cfg)
+    storage = storage_dtype_name(p.storage_dtype, dtype)
     vocab_size = int(cfg["vocab_size"])
     n = int(cfg["num_hidden_layers"])
 
@@ -214,6 +252,7 @@ def make_plan(io, p) -> Plan:
         "num_hidden_layers": n,
         "vocab_size": vocab_size,
         "dtype": dtype,
+        "storage_dtype": storage,
         "backend": p.backend,
         "verifier": {
             "path": str(io.verifier.resolve()),
@@ -240,7 +279,7 @@ def make_plan(io, p) -> Plan:
         "dtype": dtype,
         "backend": p.backend,
     }
-    plan = Plan(io.verifier, cfg, aux_ids, dtype, common, offsets, num_samples)
+    plan = Plan(io.verifier, cfg, aux_ids, dtype, storage, common, key, offsets, num_samples)
 
     # this job's shards: read and check its samples (lengths only are kept)
     limit = p.max_model_len_tokens - 1  # vLLM keeps one position for the generated token
@@ -257,14 +296,16 @@ def make_plan(io, p) -> Plan:
             io.shard_dir / shard_name(index),
         )
         for i, row in read_rows(io.tokenized, offsets, list(range(shard.start, shard.end))):
-            length = sample_tensors(io.tokenized, i, row, vocab_size)[0].numel()
+            ids, mask = sample_tensors(io.tokenized, i, row, vocab_size)
+            length = ids.numel()
             if length > limit:
                 too_long.append((i, length))
                 shard.skipped.append(i)
             else:
                 shard.samples.append(i)
                 shard.lengths.append(length)
-        shard.fingerprint = fingerprint(key, shard)
+                shard.final_rows += len(read_positions(mask))
+        shard.fingerprint = fingerprint(shard_key(key, storage), shard)
         plan.shards.append(shard)
     if too_long and p.on_too_long == "fail":
         first = ", ".join(f"line {i + 1} ({n_tok} tokens)" for i, n_tok in too_long[:MAX_LISTED])
@@ -284,38 +325,7 @@ def make_plan(io, p) -> Plan:
     return plan
 
 
-def check_outputs(io, p, plan: Plan) -> None:
-    """Writable output places and enough free disk for what is left to compute."""
-    for directory, what in (
-        (io.shard_dir, "shard directory"),
-        (io.part.parent, "part manifest directory"),
-    ):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"x")
-            probe.unlink()
-        except OSError as exc:
-            raise UserError(f"the {what} {directory} is not writable: {exc}") from None
-    need = sum(s.num_tokens for s in plan.todo) * plan.bytes_per_token()
-    need = int(need * p.disk_margin)
-    free = shutil.disk_usage(io.shard_dir).free
-    if need > free:
-        raise UserError(
-            f"{io.shard_dir}: {free / 2**30:.2f} GiB free, but the {len(plan.todo)} shard(s) "
-            f"still to write need about {need / 2**30:.2f} GiB (tokens x {len(plan.aux_ids) + 1} "
-            f"layers x hidden {plan.hidden_size} x {plan.dtype}, x extract.disk_margin "
-            f"{p.disk_margin}); free disk space, or use a results_dir on a larger disk"
-        )
-    log.info(
-        "disk: %.2f GiB needed (x%.2f margin), %.2f GiB free",
-        need / 2**30,
-        p.disk_margin,
-        free / 2**30,
-    )
-
-
-def part_manifest(io, p, plan: Plan) -> dict[str, Any]:
+def part_manifest(io, p, plan: Plan, disk: dict[str, Any]) -> dict[str, Any]:
     shards = []
     for s in plan.shards:
         if s.entry is None or s.entry.get("file") is None:
@@ -338,6 +348,7 @@ def part_manifest(io, p, plan: Plan) -> dict[str, Any]:
         "job_index": io.job_index,
         "num_jobs": p.num_jobs,
         "shard_indices": [s.index for s in plan.shards],
+        "disk": disk,
         "num_samples": sum(e["num_samples"] for e in shards),
         "num_tokens": sum(e["num_tokens"] for e in shards),
         "num_skipped_too_long": len(skipped),

@@ -13,7 +13,6 @@ and the run of the extraction stage over the shards its plan (``extraction.py``)
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -36,8 +35,8 @@ from workflow_scripts.lib.extraction import (
     remember_entry,
     sample_tensors,
 )
-from workflow_scripts.lib.manifest import FORMAT_VERSION, LAYER_CONVENTION
-from workflow_scripts.lib.shards import TORCH_DTYPES, ShardWriter
+from workflow_scripts.lib.shard_writer import ShardWriter
+from workflow_scripts.lib.shards import TORCH_DTYPES
 
 log = logging.getLogger("eagle3")
 CONNECTOR = "ShardHiddenStatesConnector"  # the class in hidden_states_connector.py
@@ -54,7 +53,7 @@ class ShardJob:
     writer: ShardWriter | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def open(self, num_aux: int, hidden_size: int, dtype: torch.dtype) -> ShardWriter:
+    def open(self, num_aux: int, hidden_size: int, storage: torch.dtype) -> ShardWriter:
         if self.writer is None:
             self.writer = ShardWriter(
                 self.path,
@@ -62,7 +61,7 @@ class ShardJob:
                 [mask for _, mask in self.samples],
                 num_aux,
                 hidden_size,
-                dtype,
+                storage,
                 self.metadata,
             )
         return self.writer
@@ -156,7 +155,7 @@ def run_vllm(
     extract: bool,
     num_aux: int = 0,
     hidden_size: int = 0,
-    dtype: torch.dtype = torch.float32,
+    storage: torch.dtype = torch.float32,
     on_sample: Callable[[int], None] = lambda tokens: None,
     on_shard: Callable[[ShardJob], None] = lambda job: None,
 ) -> None:
@@ -204,7 +203,7 @@ def run_vllm(
             if job.index not in remaining:
                 remaining[job.index] = len(job.samples)
                 if extract:
-                    job.open(num_aux, hidden_size, dtype)
+                    job.open(num_aux, hidden_size, storage)
             extra = {"kv_transfer_params": {TARGET_KEY: job.writer.target(i)}} if extract else None
             req_id = f"{job.index}:{i}"
             engine.add_request(
@@ -300,15 +299,15 @@ class TransformersExtractor:
         self,
         jobs: Iterable[ShardJob],
         hidden_size: int,
-        dtype: torch.dtype,
+        storage: torch.dtype,
         on_sample: Callable[[int], None],
         on_shard: Callable[[ShardJob], None],
     ) -> None:
         for job in jobs:
-            writer = job.open(len(self.aux_ids), hidden_size, dtype)
+            writer = job.open(len(self.aux_ids), hidden_size, storage)
             for i, (ids, _) in enumerate(job.samples):
                 aux, final = self.states(ids)
-                writer.put(i, aux.to(dtype), final.to(dtype))
+                writer.put(i, aux, final)
                 on_sample(int(ids.numel()))
             on_shard(job)
 
@@ -324,17 +323,8 @@ def shard_jobs(io, plan: Plan, shards: list[ShardPlan]):
             sample_tensors(io.tokenized, i, row, vocab)
             for i, row in read_rows(io.tokenized, plan.line_offsets, shard.samples)
         ]
-        meta = {
-            "fingerprint": shard.fingerprint,
-            "sample_start": str(shard.start),
-            "sample_end": str(shard.end),
-            "skipped_samples": json.dumps(shard.skipped),
-            "aux_layer_ids": json.dumps(plan.aux_ids),
-            "final_layer_id": str(plan.num_layers),
-            "layer_convention": LAYER_CONVENTION,
-            "dtype": plan.dtype,
-            "format_version": str(FORMAT_VERSION),
-        }
+        meta = plan.shard_metadata(shard)
+        assert meta["fingerprint"] == shard.fingerprint
         yield ShardJob(shard.index, shard.path, samples, meta, extra={"plan": shard})
 
 
@@ -345,7 +335,7 @@ def extract(io, p, plan: Plan) -> None:
             s.entry = {"file": None}
     if not todo:
         return
-    dtype = TORCH_DTYPES[plan.dtype]
+    storage = TORCH_DTYPES[plan.storage]
     progress = Progress(
         f"extract job {io.job_index}",
         total=sum(len(s.samples) for s in todo),
@@ -355,6 +345,10 @@ def extract(io, p, plan: Plan) -> None:
 
     def finish(shard: ShardPlan, writer) -> None:
         entry = writer.finish()
+        if entry["bytes"] != plan.shard_bytes(shard):  # the disk plan is exact
+            raise RuntimeError(
+                f"{shard.path}: {entry['bytes']} bytes, the disk plan said {plan.shard_bytes(shard)}"
+            )
         shard.entry = remember_entry(shard.path, entry)
         log.info(
             "shard %d done: %d samples, %d tokens, %.1f MiB",
@@ -374,18 +368,19 @@ def extract(io, p, plan: Plan) -> None:
 
     log.info("loading the verifier %s (%s backend, %s)", io.verifier, p.backend, plan.dtype)
     try:
-        run_backend(io, p, plan, todo, dtype, progress, on_sample, on_shard)
+        run_backend(io, p, plan, todo, storage, progress, on_sample, on_shard)
         finisher.wait()
     finally:
         finisher.close()
 
 
-def run_backend(io, p, plan: Plan, todo, dtype, progress, on_sample, on_shard) -> None:
+def run_backend(io, p, plan: Plan, todo, storage, progress, on_sample, on_shard) -> None:
     if p.backend == "transformers":
+        dtype = TORCH_DTYPES[plan.dtype]
         extractor = TransformersExtractor(io.verifier, dtype, plan.aux_ids, p.use_gpus)
         progress.start = time.monotonic()
         progress.update(0, force=True)
-        extractor.run(shard_jobs(io, plan, todo), plan.hidden_size, dtype, on_sample, on_shard)
+        extractor.run(shard_jobs(io, plan, todo), plan.hidden_size, storage, on_sample, on_shard)
         progress.log()
     else:
         scratch = io.shard_dir / f".requests-job{io.job_index}"
@@ -407,7 +402,7 @@ def run_backend(io, p, plan: Plan, todo, dtype, progress, on_sample, on_shard) -
                 extract=True,
                 num_aux=len(plan.aux_ids),
                 hidden_size=plan.hidden_size,
-                dtype=dtype,
+                storage=storage,
                 on_sample=on_sample,
                 on_shard=on_shard,
             )

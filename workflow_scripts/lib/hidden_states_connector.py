@@ -7,14 +7,18 @@ saves one safetensors file per request, with a write path built on CUDA streams 
 
 ``ShardHiddenStatesConnector`` keeps the stock scheduler side and lock protocol, and changes only
 where the bytes go: each request carries a *target* in ``kv_transfer_params`` (a shard file the
-driver created, and the byte offsets of this sample's rows in its ``aux_hidden_states`` and
-``final_hidden_states`` tensors). The worker writes the rows there with ``pwrite``. No per-request
+driver created, its storage dtype, and the byte offsets of this sample's rows in each stored
+tensor: the hidden states, and their scales for float8). The worker writes the rows there with ``pwrite``. No per-request
 file is ever written; the per-request ``.lock`` file only signals completion, and the worker
 writes ``ok <num_tokens>`` into it before releasing it (anything else means failure).
 
-* CPU: the rows are copied out of the cache and written synchronously in the worker.
-* GPU: a device-to-host copy on a side stream into pinned memory, then a thread pool writes,
-  as in the stock connector.
+The rows are encoded as the shard stores them (``shard_writer.encode_sample``: the final rows the
+loss reads, in the storage dtype) where they are gathered:
+
+* CPU: copied out of the cache, encoded and written synchronously in the worker.
+* GPU: encoded on the device, then a device-to-host copy on a side stream into pinned memory
+  (of the encoded bytes: float8 storage copies a quarter of float32's), then a thread pool
+  writes, as in the stock connector.
 
 Load it with ``kv_transfer_config = {"kv_connector": "ShardHiddenStatesConnector",
 "kv_connector_module_path": "workflow_scripts.lib.hidden_states_connector", "kv_role":
@@ -41,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from workflow_scripts.lib.shards import write_sample_rows
+from workflow_scripts.lib.shard_writer import encode_sample, write_encoded, write_sample_rows
 
 logger = init_logger(__name__)
 
@@ -177,7 +181,8 @@ class ShardHiddenStatesConnector(ExampleHiddenStatesConnector):
             self._req_copy_events[pending.req_id] = _Done()
             return
 
-        # GPU: copy on a side stream into pinned memory; a thread waits for it and writes.
+        # GPU: encode on the device and copy on a side stream into pinned memory (so that a
+        # smaller storage dtype shrinks the copy too); a thread waits for it and writes.
         copy_stream = self._get_copy_stream()
         ready = torch.cuda.Event()
         ready.record()
@@ -186,27 +191,29 @@ class ShardHiddenStatesConnector(ExampleHiddenStatesConnector):
             aux_dev, final_dev = gather_states(
                 self._kv_cache, pending.block_ids, self._block_size, num_tokens
             )
-            aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
-            final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
-            aux.copy_(aux_dev, non_blocking=True)
-            final.copy_(final_dev, non_blocking=True)
+            encoded = {}
+            for name, tensor in encode_sample(aux_dev, final_dev, target).items():
+                encoded[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                encoded[name].copy_(tensor, non_blocking=True)
         copy_done = torch.cuda.Event()
         copy_done.record(copy_stream)
         future = self._executor.submit(
-            self._write_job, aux, final, copy_done, target, lock_fd, pending.req_id
+            self._write_job, encoded, num_tokens, copy_done, target, lock_fd, pending.req_id
         )
         self._req_copy_events[pending.req_id] = copy_done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
     @staticmethod
-    def _write_job(aux, final, event, target: dict[str, Any], lock_fd: int | None, req_id) -> None:
+    def _write_job(
+        encoded, num_tokens: int, event, target: dict[str, Any], lock_fd: int | None, req_id
+    ) -> None:
         status = "error: not written"
         try:
             event.synchronize()
-            write_sample_rows(target["path"], aux, final, target)
-            _log_write(req_id, aux.shape[0])
-            status = f"ok {aux.shape[0]}"
+            write_encoded(target["path"], encoded, target)
+            _log_write(req_id, num_tokens)
+            status = f"ok {num_tokens}"
         except Exception as exc:
             status = f"error {exc!r}"
             raise

@@ -1,9 +1,11 @@
 """The extraction manifest: what the extraction jobs' parts record, merged into the one file
 that training depends on. No torch here: the merge job is small and starts fast.
 
-A part (one per extraction job) and the manifest hold the layer ids and convention, the dtype,
-the verifier's identity, the tokenized data's sha256, and one entry per shard: file (relative to
-the part's or manifest's directory), sample range, sample and token counts, bytes and sha256.
+A part (one per extraction job) and the manifest hold the layer ids and convention, the compute
+and storage dtypes, the verifier's identity, the tokenized data's sha256, and one entry per shard:
+file (relative to the part's or manifest's directory), sample range, sample and token counts,
+bytes and sha256. Each part has its job's disk plan (``disk_plan.py``); the manifest's ``disk``
+sums them: the bytes as stored and in each storage dtype, per token and against float32.
 The shard format itself is described in ``shards.py``.
 """
 
@@ -67,6 +69,7 @@ PER_JOB = {
     "num_jobs",
     "job_index",
     "shard_indices",
+    "disk",
     "num_samples",
     "num_tokens",
     "num_skipped_too_long",
@@ -138,8 +141,38 @@ def merge_parts(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -
         "bytes": sum(e["bytes"] for e in shards),
         "shards": shards,
     }
+    plans = [part.get("disk") for _, part in parts]
+    if all(plans):
+        manifest["disk"] = disk_summary(plans, manifest)
     if manifest["num_samples"] == 0:
         raise UserError(
             "no sample was extracted (all too long?); raise extract.max_model_len_tokens"
         )
     return manifest
+
+
+def disk_summary(plans: list[dict[str, Any]], manifest: dict[str, Any]) -> dict[str, Any]:
+    """The jobs' disk plans as one: the shards' bytes as stored, and what they would take in each
+    storage dtype, per token and against float32 (the report shows this)."""
+    tokens = max(manifest["num_tokens"], 1)
+    totals: dict[str, int] = {}
+    for plan in plans:
+        for name, v in plan["by_storage_dtype"].items():
+            totals[name] = totals.get(name, 0) + int(v["bytes"])
+    floor = totals.get("float32") or 1
+    return {
+        "storage_dtype": plans[0]["storage_dtype"],
+        "bytes": manifest["bytes"],
+        "final_rows": sum(int(plan.get("final_rows", 0)) for plan in plans),
+        "final_rows_saved_bytes": sum(int(plan.get("final_rows_saved_bytes", 0)) for plan in plans),
+        "bytes_per_token": round(manifest["bytes"] / tokens, 2),
+        "free_bytes_before_extraction": min(int(plan["free_bytes"]) for plan in plans),
+        "by_storage_dtype": {
+            name: {
+                "bytes": total,
+                "bytes_per_token": round(total / tokens, 2),
+                "vs_float32": round(total / floor, 4),
+            }
+            for name, total in totals.items()
+        },
+    }

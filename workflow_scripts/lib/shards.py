@@ -3,29 +3,43 @@
 A shard is one safetensors file holding a fixed run of consecutive samples, concatenated along the
 token axis with no padding:
 
-* ``aux_hidden_states``   [T, n_aux, H]  verifier dtype: the auxiliary layers, in ``aux_layer_ids``
+* ``aux_hidden_states``   [T, n_aux, H]  storage dtype: the auxiliary layers, in ``aux_layer_ids``
   order (vLLM's convention: id k = input of decoder layer k = HF ``hidden_states[k]``)
-* ``final_hidden_states`` [T, H]         verifier dtype: the last layer's output *before* the final
-  norm (layer id N)
+* ``final_hidden_states`` [F, H]         storage dtype: the last layer's output *before* the final
+  norm (layer id N), only at the positions whose final state training reads: position j where
+  token j+1 is an assistant token (``read_positions``: the teacher of the token at j+1). The
+  other positions are never read; the reader gives zeros there.
 * ``input_ids``           [T]            int64
 * ``loss_mask``           [T]            uint8 (1 on assistant tokens)
 * ``sample_offsets``      [S + 1]        int64: sample s is tokens offsets[s]:offsets[s+1]
+* ``final_offsets``       [S + 1]        int64: sample s's final rows are final_offsets[s]:[s+1]
+
+Shards written before ``final_offsets`` existed hold ``final_hidden_states`` [T, H] at every
+position; the reader reads both.
+
+The storage dtype (``extract.storage_dtype``) is the verifier's compute dtype, bfloat16, or
+float8_e4m3fn. With float8 every row of H values (one token, one layer) has its own scale:
+
+* ``aux_scales``          [T, n_aux]     float32
+* ``final_scales``        [F]            float32
+
+and the value is ``float(stored) * scale``; the scale is the row's largest magnitude / 448 (the
+largest float8_e4m3fn), so each row uses the whole float8 range. ``encode_states`` encodes where
+the states are gathered (on a GPU before the copy to host memory), ``ShardReader`` decodes.
 
 The safetensors metadata holds ``fingerprint`` (what the shard was computed from: data, verifier,
-layers, dtype, sample range) and ``sample_start``. ``ShardWriter`` streams a shard: it lays out the
-file up front (the token count of every sample is known before extraction), writes token ids,
-loss mask and offsets at once, and each sample's hidden-state rows when they arrive, possibly from
-another process (the vLLM worker, see ``hidden_states_connector.py``); the file gets its final
-name only when every sample is in. The manifest (``manifest.py``) lists the shards with sample
-and token counts and a sha256 each, plus the layer ids, convention, dtype and verifier identity;
+layers, dtypes, sample range) and ``sample_start``. ``shard_writer.ShardWriter`` streams a shard:
+it lays out the file up front (``shard_layout``: the token ids and loss mask of every sample are
+known before extraction), writes token ids, loss mask and offsets at once, and each sample's
+hidden-state rows when they arrive, possibly from another process (the vLLM worker, see
+``hidden_states_connector.py``); the file gets its final name only when every sample is in. The manifest (``manifest.py``) lists the shards with sample
+and token counts and a sha256 each, plus the layer ids, convention, dtypes and verifier identity;
 downstream rules depend on the manifest only.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +49,24 @@ from safetensors.torch import save_file
 
 from workflow_scripts.lib.common import atomic_path, sha256_file
 
-TENSORS = ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask", "sample_offsets")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+ENCODE_CHUNK_ROWS = 2048  # tokens encoded at a time: bounds the float32 temporary on a GPU
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    FP8: "F8_E4M3",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": FP8,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 @dataclass
@@ -50,21 +81,101 @@ class SampleStates:
         return int(self.input_ids.numel())
 
 
-def write_shard(path: Path, samples: list[SampleStates], sample_start: int, fingerprint: str):
-    """Write samples as one shard, atomically; return its manifest entry (file name relative)."""
+# --------------------------------------------------------------------------- storage dtypes
+
+
+def storage_dtype_name(setting: str, compute_dtype: str) -> str:
+    """The dtype the states are stored in, from ``extract.storage_dtype`` ("compute": as
+    computed)."""
+    return compute_dtype if setting == "compute" else setting
+
+
+def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the last axis -> (float8 values, float32 scale per row), on x's device; a row of
+    zeros gets scale 1."""
+    values = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    for a in range(0, x.shape[0], ENCODE_CHUNK_ROWS):
+        chunk = x[a : a + ENCODE_CHUNK_ROWS].float()
+        amax = chunk.abs().amax(-1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scales[a : a + ENCODE_CHUNK_ROWS] = scale
+        values[a : a + ENCODE_CHUNK_ROWS] = (chunk / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return values, scales
+
+
+def encode_states(
+    aux: torch.Tensor, final: torch.Tensor, storage: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """A sample's rows as the shard stores them (tensor name -> tensor, on the input's device)."""
+    if storage != FP8:
+        return {"aux_hidden_states": aux.to(storage), "final_hidden_states": final.to(storage)}
+    aux_values, aux_scales = fp8_encode(aux)
+    final_values, final_scales = fp8_encode(final)
+    return {
+        "aux_hidden_states": aux_values,
+        "aux_scales": aux_scales,
+        "final_hidden_states": final_values,
+        "final_scales": final_scales,
+    }
+
+
+def decode(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Stored rows -> their values: as stored, or float32 for float8 (values x scale)."""
+    return values if scales is None else values.float() * scales.unsqueeze(-1)
+
+
+def read_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The positions of a sample whose final state training reads: j where token j+1 is an
+    assistant token (the loss of the token at j+1 has the verifier's state at j as teacher)."""
+    return torch.nonzero(loss_mask[1:].bool()).flatten()
+
+
+def read_runs(loss_mask: torch.Tensor) -> list[list[int]]:
+    """``read_positions`` as [start, end) runs (an assistant turn is one run)."""
+    pos = read_positions(loss_mask).tolist()
+    runs: list[list[int]] = []
+    for j in pos:
+        if runs and runs[-1][1] == j:
+            runs[-1][1] = j + 1
+        else:
+            runs.append([j, j + 1])
+    return runs
+
+
+def select_rows(x: torch.Tensor, runs: list[list[int]]) -> torch.Tensor:
+    """The rows of x in the runs, in order, on x's device."""
+    if not runs:
+        return x[:0]
+    return torch.cat([x[a:b] for a, b in runs])
+
+
+def write_shard(
+    path: Path,
+    samples: list[SampleStates],
+    sample_start: int,
+    fingerprint: str,
+    storage: torch.dtype | None = None,
+):
+    """Write samples (final states at every position) as one shard, atomically (``storage``
+    None: the states' own dtype); return its manifest entry (file name relative)."""
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
+    rows = [s.final_hidden_states[read_positions(s.loss_mask)] for s in samples]
+    final_offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    final_offsets[1:] = torch.cumsum(torch.tensor([len(r) for r in rows], dtype=torch.int64), 0)
+    aux = torch.cat([s.aux_hidden_states for s in samples])
     tensors = {
-        "aux_hidden_states": torch.cat([s.aux_hidden_states for s in samples]).contiguous(),
-        "final_hidden_states": torch.cat([s.final_hidden_states for s in samples]).contiguous(),
-        "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]).contiguous(),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]).contiguous(),
+        **encode_states(aux, torch.cat(rows), storage or aux.dtype),
+        "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]),
+        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
         "sample_offsets": offsets,
+        "final_offsets": final_offsets,
     }
     meta = {"fingerprint": fingerprint, "sample_start": str(sample_start)}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
     return {
         "file": path.name,
         "sample_start": sample_start,
@@ -84,207 +195,118 @@ def shard_fingerprint(path: Path) -> str | None:
 
 
 class ShardReader:
-    """Memory-mapped access to one shard's samples; tensors are read only when asked for."""
+    """Memory-mapped access to one shard's samples; tensors are read only when asked for,
+    float8 states decoded to float32, and the final states placed at their positions."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._fh = safe_open(str(self.path), framework="pt")
+        names = set(self._fh.keys())
         self.offsets = self._fh.get_tensor("sample_offsets")
+        self.final_offsets = (
+            self._fh.get_tensor("final_offsets") if "final_offsets" in names else None
+        )
+        self.scaled = "aux_scales" in names
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
-    def sample(self, i: int) -> SampleStates:
+    @property
+    def storage_dtype(self) -> str:
+        return self._fh.get_slice("aux_hidden_states").get_dtype()
+
+    def _rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        values = self._fh.get_slice(f"{name}_hidden_states")[a:b]
+        return decode(values, self._fh.get_slice(f"{name}_scales")[a:b] if self.scaled else None)
+
+    def sample(self, i: int, max_tokens: int | None = None) -> SampleStates:
+        """Sample ``i`` (its first ``max_tokens`` tokens, if given)."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        n = b - a if max_tokens is None else min(b - a, max_tokens)
+        loss_mask = self._fh.get_slice("loss_mask")[a:b]
+        if self.final_offsets is None:
+            final = self._rows("final", a, a + n)
+        else:
+            positions = read_positions(loss_mask)
+            keep = int((positions < n).sum())  # ascending: the first ``keep`` rows
+            first = int(self.final_offsets[i])
+            rows = self._rows("final", first, first + keep)
+            final = rows.new_zeros(n, rows.shape[-1])
+            final[positions[:keep]] = rows
         return SampleStates(
-            aux_hidden_states=self._fh.get_slice("aux_hidden_states")[a:b],
-            final_hidden_states=self._fh.get_slice("final_hidden_states")[a:b],
-            input_ids=self._fh.get_slice("input_ids")[a:b],
-            loss_mask=self._fh.get_slice("loss_mask")[a:b],
+            aux_hidden_states=self._rows("aux", a, a + n),
+            final_hidden_states=final,
+            input_ids=self._fh.get_slice("input_ids")[a : a + n],
+            loss_mask=loss_mask[:n],
         )
 
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
 
-# --------------------------------------------------------------------------- streaming writer
+@dataclass
+class Layout:
+    """Where each tensor of a shard lies: its safetensors header, each tensor's first byte
+    (from the start of the data), and the bytes of one row (token, or final row) of each."""
 
-SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.uint8: "U8",
-}
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    """Write a tensor's bytes (made contiguous, on the CPU) at ``offset`` of an open file."""
-    data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def write_sample_rows(path: str | Path, aux: torch.Tensor, final: torch.Tensor, target: dict):
-    """Write one sample's states, ``aux`` [T, n_aux, H] and ``final`` [T, H], where ``target``
-    (from ``ShardWriter.target``) says."""
-    num_tokens = int(target["num_tokens"])
-    if aux.shape[0] != num_tokens or final.shape[0] != num_tokens:
-        raise ValueError(
-            f"sample has {aux.shape[0]} tokens, its place in the shard expects {num_tokens}"
-        )
-    fd = os.open(str(path), os.O_WRONLY)
-    try:
-        pwrite_tensor(fd, aux, int(target["aux_offset"]))
-        pwrite_tensor(fd, final, int(target["final_offset"]))
-    finally:
-        os.close(fd)
-
-
-def tmp_shard_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def remove_stale_tmp(path: Path) -> int:
-    """Delete partial files left by killed writers of ``path``; returns how many."""
-    removed = 0
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        stale.unlink(missing_ok=True)
-        removed += 1
-    return removed
-
-
-class ShardWriter:
-    """One shard, streamed into a temporary file and renamed into place by ``finish``.
-
-    The tensors are laid out as ``sample_offsets``, ``input_ids`` (8-byte aligned first), then
-    ``aux_hidden_states``, ``final_hidden_states``, ``loss_mask``; the hidden-state regions start
-    as holes and are filled per sample through ``put`` or by whoever is given ``target(i)``.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        input_ids: list[torch.Tensor],
-        loss_masks: list[torch.Tensor],
-        num_aux_layers: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        metadata: dict[str, str],
-    ):
-        if not input_ids:
-            raise ValueError("a shard needs at least one sample")
-        self.path = Path(path)
-        self.tmp = tmp_shard_path(self.path)
-        self.num_samples = len(input_ids)
-        lengths = torch.tensor([int(t.numel()) for t in input_ids], dtype=torch.int64)
-        self.offsets = torch.zeros(self.num_samples + 1, dtype=torch.int64)
-        self.offsets[1:] = torch.cumsum(lengths, 0)
-        self.num_tokens = int(self.offsets[-1])
-        self.elem = torch.empty((), dtype=dtype).element_size()
-        self.aux_row = num_aux_layers * hidden_size * self.elem  # bytes per token
-        self.final_row = hidden_size * self.elem
-        T = self.num_tokens
-        specs = [
-            ("sample_offsets", torch.int64, [self.num_samples + 1], 8 * (self.num_samples + 1)),
-            ("input_ids", torch.int64, [T], 8 * T),
-            ("aux_hidden_states", dtype, [T, num_aux_layers, hidden_size], T * self.aux_row),
-            ("final_hidden_states", dtype, [T, hidden_size], T * self.final_row),
-            ("loss_mask", torch.uint8, [T], T),
-        ]
-        header: dict[str, object] = {"__metadata__": dict(metadata)}
-        self.begin: dict[str, int] = {}
-        pos = 0
-        for name, dt, shape, nbytes in specs:
-            header[name] = {
-                "dtype": SAFETENSORS_DTYPES[dt],
-                "shape": shape,
-                "data_offsets": [pos, pos + nbytes],
-            }
-            self.begin[name] = pos
-            pos += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.data_start = 8 + len(raw)
-        self.file_bytes = self.data_start + pos
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.tmp), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, self.file_bytes)
-            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-            pwrite_tensor(fd, self.offsets, self.data_start + self.begin["sample_offsets"])
-            pwrite_tensor(
-                fd,
-                torch.cat([t.to(torch.int64) for t in input_ids]),
-                self.data_start + self.begin["input_ids"],
-            )
-            pwrite_tensor(
-                fd,
-                torch.cat([m.to(torch.uint8) for m in loss_masks]),
-                self.data_start + self.begin["loss_mask"],
-            )
-        finally:
-            os.close(fd)
-        self.missing = set(range(self.num_samples))
-
-    def target(self, i: int) -> dict[str, object]:
-        """Where sample ``i``'s rows go: the file and byte offsets (JSON-serialisable)."""
-        first = int(self.offsets[i])
-        return {
-            "path": str(self.tmp.resolve()),
-            "aux_offset": self.data_start + self.begin["aux_hidden_states"] + first * self.aux_row,
-            "final_offset": self.data_start
-            + self.begin["final_hidden_states"]
-            + first * self.final_row,
-            "num_tokens": int(self.offsets[i + 1]) - first,
-        }
-
-    def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
-        write_sample_rows(self.tmp, aux, final, self.target(i))
-        self.done(i)
-
-    def done(self, i: int) -> None:
-        self.missing.discard(i)
+    header: bytes
+    begin: dict[str, int]
+    row_bytes: dict[str, int]
+    data_bytes: int
 
     @property
-    def complete(self) -> bool:
-        return not self.missing
+    def data_start(self) -> int:
+        return 8 + len(self.header)
 
-    def finish(self, extra: dict[str, object] | None = None) -> dict[str, object]:
-        """fsync, rename into place; return the manifest entry (file name relative)."""
-        if self.missing:
-            raise RuntimeError(f"{self.path.name}: samples {sorted(self.missing)[:5]} not written")
-        fd = os.open(str(self.tmp), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(self.tmp, self.path)
-        return {**shard_entry(self.path), **(extra or {})}
-
-    def abort(self) -> None:
-        self.tmp.unlink(missing_ok=True)
+    @property
+    def file_bytes(self) -> int:
+        return self.data_start + self.data_bytes
 
 
-def shard_entry(path: Path) -> dict[str, object]:
-    """The manifest entry of a finished shard, read from the file (checksum included)."""
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        offsets = fh.get_tensor("sample_offsets")
-        num_loss_tokens = int(fh.get_tensor("loss_mask").sum())
-    return {
-        "file": path.name,
-        "sample_start": int(meta.get("sample_start", 0)),
-        "num_samples": int(offsets.numel() - 1),
-        "num_tokens": int(offsets[-1]),
-        "num_loss_tokens": num_loss_tokens,
-        "bytes": path.stat().st_size,
-        "sha256": sha256_file(path),
-    }
+def shard_layout(
+    num_samples: int,
+    num_tokens: int,
+    num_final_rows: int,
+    num_aux_layers: int,
+    hidden_size: int,
+    storage: torch.dtype,
+    metadata: dict[str, str],
+) -> Layout:
+    """The layout of a shard: the offsets and ``input_ids`` (8-byte aligned first), the float8
+    scales if any (4-byte), ``aux_hidden_states``, ``final_hidden_states``, ``loss_mask``.
+    ``file_bytes`` is the exact size of the file."""
+    T, F = num_tokens, num_final_rows
+    rows: list[tuple[str, torch.dtype, int, list[int]]] = [
+        ("sample_offsets", torch.int64, num_samples + 1, []),
+        ("final_offsets", torch.int64, num_samples + 1, []),
+        ("input_ids", torch.int64, T, []),
+    ]
+    if storage == FP8:
+        rows += [
+            ("aux_scales", torch.float32, T, [num_aux_layers]),
+            ("final_scales", torch.float32, F, []),
+        ]
+    rows += [
+        ("aux_hidden_states", storage, T, [num_aux_layers, hidden_size]),
+        ("final_hidden_states", storage, F, [hidden_size]),
+        ("loss_mask", torch.uint8, T, []),
+    ]
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    begin: dict[str, int] = {}
+    row_bytes: dict[str, int] = {}
+    pos = 0
+    for name, dt, count, row in rows:
+        size = torch.empty((), dtype=dt).element_size()
+        for d in row:
+            size *= d
+        row_bytes[name] = size
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dt],
+            "shape": [count, *row],
+            "data_offsets": [pos, pos + count * size],
+        }
+        begin[name] = pos
+        pos += count * size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return Layout(raw, begin, row_bytes, pos)

@@ -30,6 +30,7 @@ class SampleIndex:
         self.max_tokens = max_tokens
         self.readers, shard_of, local_of, lengths = [], [], [], []
         n_aux, H = len(manifest["aux_layer_ids"]), manifest["hidden_size"]
+        storage = manifest.get("storage_dtype", manifest["dtype"])
         for i, entry in enumerate(manifest["shards"]):
             try:
                 reader = shards.ShardReader(Path(entry["path"]))
@@ -37,6 +38,12 @@ class SampleIndex:
             except Exception as exc:
                 raise UserError(f"shard {entry['path']} is unreadable: {exc}") from None
             n = first.num_tokens
+            if reader.storage_dtype != shards.SAFETENSORS_DTYPES[shards.TORCH_DTYPES[storage]]:
+                raise UserError(
+                    f"shard {entry['path']} stores its states as {reader.storage_dtype}, the "
+                    f"manifest says {storage}: it comes from another extraction run; rerun "
+                    "extraction"
+                )
             aux_shape = list(first.aux_hidden_states.shape)
             final_shape = list(first.final_hidden_states.shape)
             if (
@@ -62,12 +69,11 @@ class SampleIndex:
         return len(self.lengths)
 
     def sample(self, g: int) -> shards.SampleStates:
-        s = self.readers[self.shard_of[g]].sample(int(self.local_of[g]))
-        n = int(self.lengths[g])
-        aux = s.aux_hidden_states[:n]
+        """Sample g, cut to ``max_tokens``, its states decoded (float8 shards: to float32)."""
+        s = self.readers[self.shard_of[g]].sample(int(self.local_of[g]), int(self.lengths[g]))
         if self.aux_order is not None:
-            aux = aux[:, self.aux_order]
-        return shards.SampleStates(aux, s.final_hidden_states[:n], s.input_ids[:n], s.loss_mask[:n])
+            s.aux_hidden_states = s.aux_hidden_states[:, self.aux_order]
+        return s
 
 
 def split_samples(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

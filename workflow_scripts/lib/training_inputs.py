@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from workflow_scripts.lib import verifier
+from workflow_scripts.lib import shards, verifier
 from workflow_scripts.lib.common import (
     UserError,
     atomic_path,
@@ -103,6 +103,13 @@ def check_manifest(manifest: dict, vcfg: dict, verifier_dir: Path, where: Path) 
         )
     if manifest.get("dtype") not in ("float32", "bfloat16", "float16"):
         raise UserError(f"{where}: unknown dtype {manifest.get('dtype')!r}")
+    storage = manifest.setdefault(
+        "storage_dtype", manifest["dtype"]
+    )  # older manifests: as computed
+    if storage not in shards.TORCH_DTYPES:
+        raise UserError(
+            f"{where}: unknown storage_dtype {storage!r} (known: {', '.join(shards.TORCH_DTYPES)})"
+        )
     if not manifest.get("shards") or not manifest.get("num_samples"):
         raise UserError(f"{where}: no samples; was the tokenized data empty?")
 

@@ -6,7 +6,8 @@ Job ``job_index`` of ``extract.num_jobs`` computes its share of the shards (see
 Everything that can be checked is checked before the model loads, each failure naming the
 config key to change: the verifier's config and weights, the layer ids, tensor parallel size
 against heads and visible GPUs, sample lengths against the engine's max length, the token ids
-against the vocabulary, free disk against the estimated shard bytes, writable outputs.
+against the vocabulary, free disk against the exact shard bytes (the disk plan, logged), writable
+outputs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ import logging
 
 from workflow_scripts.lib import cli, engine
 from workflow_scripts.lib.common import run_main, write_json
-from workflow_scripts.lib.extraction import (
-    check_outputs,
-    make_plan,
-    part_manifest,
-    reuse_finished,
-)
+from workflow_scripts.lib.disk_plan import check_outputs
+from workflow_scripts.lib.extraction import make_plan, part_manifest, reuse_finished
 from workflow_scripts.lib.extraction_engines import extract
 
 log = logging.getLogger("eagle3")
@@ -33,7 +30,7 @@ def main() -> None:
     todo = plan.todo
     log.info(
         "extract job %d/%d: %d samples in the data, %d shard(s) of %d for this job, %d finished "
-        "already, %d to compute (%d samples, %d tokens); layers %s + final %d, %s",
+        "already, %d to compute (%d samples, %d tokens); layers %s + final %d, computed in %s",
         io.job_index,
         p.num_jobs,
         plan.num_samples,
@@ -45,15 +42,15 @@ def main() -> None:
         sum(s.num_tokens for s in todo),
         plan.aux_ids,
         plan.num_layers,
-        plan.dtype,
+        f"{plan.dtype}, stored as {plan.storage}",
     )
-    check_outputs(io, p, plan)
+    disk = check_outputs(io, p, plan)
     if todo:
         engine.check_devices(p, "extract", vllm=p.backend == "vllm", dtype=plan.dtype)
         extract(io, p, plan)
     else:
         log.info("nothing to compute: the model is not loaded")
-    part = part_manifest(io, p, plan)
+    part = part_manifest(io, p, plan, disk)
     write_json(io.part, part)
     log.info(
         "extract job %d: %d shard(s), %d samples, %d tokens, %d skipped as too long -> %s",
