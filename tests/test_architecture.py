@@ -28,7 +28,13 @@ OWNERS = {
     "regenerate": ("regeneration",),
     "vocab": ("vocab_map",),
     "extract": ("extraction", "disk_plan", "extraction_engines", "hidden_states_connector"),
-    "train": ("trainer", "training_inputs", "training_data", "training_processes"),
+    "train": (
+        "trainer",
+        "training_setup",
+        "training_inputs",
+        "training_data",
+        "training_processes",
+    ),
     "evaluate": ("evaluation", "evaluation_plots"),
 }
 OWNER_OF = {f"{LIB}.{name}": stage for stage, names in OWNERS.items() for name in names}

@@ -156,7 +156,7 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     from transformers import LlamaForCausalLM
 
     from tests.train_data_for_tests import TrainInputs, write_extraction
-    from workflow_scripts.lib import cli, trainer, training_inputs
+    from workflow_scripts.lib import cli, training_inputs, training_setup
     from workflow_scripts.stages import train
 
     verifier = Path(demo_build["verifier"])
@@ -196,8 +196,8 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     # the same shape, untrained: the draft as training starts it, written the same way
     io, p = cli.parse("train", args)
     checked = training_inputs.check_inputs(io, p)
-    initial, _ = trainer.build_draft(checked, p.seed)
-    trainer.write_draft(tmp_path / "untrained", initial, checked, io, p)
+    initial, _ = training_setup.build_draft(checked, p.seed)
+    training_setup.write_draft(tmp_path / "untrained", initial, checked, io, p)
 
     # the draft ships the verifier's embedding (vLLM needs it under pipeline parallelism)
     from safetensors.torch import load_file

@@ -39,6 +39,21 @@ def test_evaluation_results(pipeline):
     assert all(0 <= r <= 1 for r in eagle["acceptance_rate_per_position"])
     assert eagle["num_drafts"] > 0 and ngram["num_drafts"] > 0
     assert results["runs"]["baseline"]["output_tokens_per_s"] > 0
+    # per prompt (vLLM's per-request metrics), pooled: the counters' figures, with an interval
+    for run in (eagle, ngram):
+        per_prompt = run["per_prompt"]
+        assert per_prompt["mean_acceptance_length"] == pytest.approx(run["mean_acceptance_length"])
+        lo, hi = per_prompt["mean_acceptance_length_ci95"]
+        assert lo <= run["mean_acceptance_length"] <= hi and hi - lo < 1.0
+        rates = per_prompt["acceptance_rate_per_position"]
+        assert rates == pytest.approx(run["acceptance_rate_per_position"])
+    # what training simulated on its held-out split, beside what vLLM measured
+    simulated = results["simulated"]
+    assert len(simulated["acceptance_rate_per_position"]) == 3
+    assert abs(simulated["mean_acceptance_length"] - eagle["mean_acceptance_length"]) < 0.5
+    assert results["summary"]["eagle3_simulated_acceptance_length"] == (
+        simulated["mean_acceptance_length"]
+    )
     # speculation is lossless at temperature 0: identical outputs, or the mismatch is listed
     assert results["greedy_lossless"] == (not any(results["greedy_mismatches"].values()))
     for name in ("acceptance_per_position", "draft_vs_ngram", "training_curves"):

@@ -353,6 +353,18 @@ class TrainParams(StageParams):
     ttt_step_loss_decay: float = Field(
         1.0, gt=0, le=1, description="Loss weight of TTT step k is decay**k."
     )
+    aux_noise: float = Field(
+        0.0,
+        ge=0,
+        description="Uniform noise in [-aux_noise, aux_noise] added to the verifier's auxiliary "
+        "hidden states of the training split (never the held-out one); speculators uses 0.05.",
+    )
+    loss_positions: Literal["all", "verifier_top1_in_draft_vocab"] = Field(
+        "all",
+        description="Positions trained on: every assistant token, or only those whose verifier "
+        "top-1 (over its whole vocabulary) is in the draft vocabulary, which the draft can "
+        "propose (as EAGLE and SpecForge train). Validation and its acceptance count all.",
+    )
     epochs: int = Field(10, ge=1, description="Passes over the training split.")
     micro_batch_budget_tokens: int = Field(
         8192,
@@ -379,7 +391,10 @@ class TrainParams(StageParams):
         "validate_every_steps and at the end.",
     )
     validate_every_steps: int = Field(
-        200, ge=1, description="Optimizer steps between scores of the held-out split."
+        200,
+        ge=1,
+        description="Optimizer steps between scores of the held-out split (and at the end); the "
+        "draft written is the best of them by simulated acceptance length.",
     )
     checkpoint_every_steps: int = Field(
         200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
@@ -399,7 +414,11 @@ class TrainParams(StageParams):
         "cores. A result setting: the number of processes sets the global batch.",
     )
     num_speculative_tokens: int = Field(
-        3, ge=1, description="Speculative tokens written into the checkpoint's proposal method."
+        3,
+        ge=1,
+        description="Speculative tokens written into the checkpoint's proposal method, and the k "
+        "of the simulated acceptance length by which the validation whose weights are kept is "
+        "chosen.",
     )
 
 

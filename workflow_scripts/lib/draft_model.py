@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from workflow_scripts.lib.draft_attention import dense_ttt_attention, ttt_attention
+from workflow_scripts.lib.teacher_head import LOSS_CHUNK_ELEMENTS, TeacherHead
 
 # Keys of the verifier's config.json copied into the draft's Llama layer config unchanged, so the
 # draft's attention geometry and RoPE are the verifier's (the embedding is shared).
@@ -250,29 +251,11 @@ class DecoderLayer(nn.Module):
 
 # --------------------------------------------------------------------------- the draft
 
-STAT_KEYS = ("kl", "correct", "count")
-# positions x draft vocabulary of the logits the loss holds at once (256 MB in float32): at 8k
-# tokens and a 32k vocabulary, whole-step logits would take GBs per TTT step
-LOSS_CHUNK_ELEMENTS = 1 << 26
-
-
-class TeacherHead(nn.Module):
-    """The verifier's final norm and the lm_head rows of the draft vocabulary (frozen): the
-    teacher distribution over K tokens without ever forming full-vocabulary logits."""
-
-    def __init__(self, norm_weight: torch.Tensor, lm_head_rows: torch.Tensor, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("norm_weight", norm_weight.detach().clone(), persistent=False)
-        self.register_buffer("lm_head_rows", lm_head_rows.detach().clone(), persistent=False)
-
-    @torch.no_grad()
-    def log_probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """final_hidden: [N, H] (the last layer's output before the final norm) -> [N, K] fp32."""
-        x = final_hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = (self.norm_weight.float() * x).to(self.lm_head_rows.dtype)
-        return F.log_softmax((x @ self.lm_head_rows.T).float(), dim=-1)
+# per TTT step, summed over positions: the forward KL; draft top-1 = teacher top-1 inside the draft
+# vocabulary ("correct"); counted positions; draft top-1 = the verifier's argmax over its whole
+# vocabulary ("served": what vLLM accepts under greedy decoding); anchors whose draft tokens up to
+# this step were all accepted ("accepted": vLLM's chain); and the anchors (step-0 positions)
+STAT_KEYS = ("kl", "correct", "count", "served", "accepted", "anchors")
 
 
 class Eagle3Draft(nn.Module):
@@ -344,44 +327,68 @@ class Eagle3Draft(nn.Module):
         so that any split of a batch over micro-batches and processes gives the same gradient;
         by default this micro-batch's own count).
 
-        Returns the loss and summed statistics per step: ``kl`` [S], ``correct`` [S] (draft top-1
-        equals the teacher's top-1), ``count`` [S].
+        Returns the loss and summed statistics per step (``STAT_KEYS``, each [S]). ``accepted``
+        follows vLLM's greedy acceptance: an anchor (a position counted at step 0) has its draft
+        token of step k accepted if those of steps 0..k all equal the verifier's argmax over its
+        whole vocabulary. (The unroll feeds the data's tokens: this is vLLM's chain exactly when
+        the answers are the verifier's own greedy ones, as regeneration makes them.)
         """
         outputs = self.unroll(aux_hidden, input_ids, ttt_steps)
         n = input_ids.shape[1] - 1
         mask = loss_mask.bool()
         rows = max(1, LOSS_CHUNK_ELEMENTS // self.cfg.draft_vocab_size)
+        verifier_top1 = self.verifier_top1(final_hidden, mask, teacher)
 
         loss = outputs[0].new_zeros((), dtype=torch.float32)
         stats = {key: torch.zeros(ttt_steps, dtype=torch.float64) for key in STAT_KEYS}
+        alive = shift_left(mask, 2, n)  # the anchors; then those whose chain still holds
+        anchors = int(alive.sum())
         for k, r in enumerate(outputs):
             counted = shift_left(mask, 2 + k, n)  # x_{t+2+k} is an assistant token
             b, t = counted.nonzero(as_tuple=True)
+            served = torch.zeros_like(counted)
             kl_sum, correct = loss.new_zeros(()), 0
             for i in range(0, len(b), rows):  # [rows, K] logits at a time, recomputed backward
                 bb, tt = b[i : i + rows], t[i : i + rows]
-                kl, right = checkpoint(
+                kl, right, top1 = checkpoint(
                     self.chunk_loss, r[bb, tt], final_hidden[bb, tt + 1 + k], teacher,
                     use_reentrant=False,
                 )  # fmt: skip
                 kl_sum, correct = kl_sum + kl, correct + int(right)
+                served[bb, tt] = teacher.draft_to_verifier[top1] == verifier_top1[bb, tt + 1 + k]
             denominator = denominators[k] if denominators is not None else max(len(b), 1)
             loss = loss + step_loss_decay**k * kl_sum / max(denominator, 1)
+            alive &= served
             stats["kl"][k] = kl_sum.detach().double().cpu()
             stats["correct"][k] = correct
             stats["count"][k] = len(b)
+            stats["served"][k] = int(served.sum())
+            stats["accepted"][k] = int(alive.sum())
+            stats["anchors"][k] = anchors
         return loss, stats
 
+    @staticmethod
+    def verifier_top1(final_hidden, mask, teacher: TeacherHead) -> torch.Tensor:
+        """[B, L] the verifier's argmax over its whole vocabulary at every position the loss
+        reads (j where x_{j+1} is an assistant token), -1 elsewhere."""
+        read = shift_left(mask, 1, mask.shape[1])
+        b, j = read.nonzero(as_tuple=True)
+        top1 = torch.full(mask.shape, -1, dtype=torch.int64, device=mask.device)
+        top1[b, j] = teacher.verifier_top1(final_hidden[b, j])
+        return top1
+
     def chunk_loss(self, draft_states, teacher_states, teacher: TeacherHead):
-        """Summed forward KL(teacher || draft) and top-1 agreements over a chunk of positions:
-        draft_states [c, H] (the layer's output r), teacher_states [c, H] (the verifier's final
-        states where the predicted tokens sit)."""
+        """Summed forward KL(teacher || draft), the number of top-1 agreements inside the draft
+        vocabulary, and the draft's top-1 (draft ids) over a chunk of positions: draft_states
+        [c, H] (the layer's output r), teacher_states [c, H] (the verifier's final states where
+        the predicted tokens sit)."""
         target = teacher.log_probs(teacher_states)
         draft_lp = F.log_softmax(self.lm_head(self.norm(draft_states)).float(), dim=-1)
         kl = (target.exp() * (target - draft_lp)).sum(-1)
         with torch.no_grad():
-            right = (draft_lp.argmax(-1) == target.argmax(-1)).sum()
-        return kl.sum(), right
+            top1 = draft_lp.argmax(-1)
+            right = (top1 == target.argmax(-1)).sum()
+        return kl.sum(), right, top1
 
 
 def shift_left(x: torch.Tensor, by: int, n: int) -> torch.Tensor:

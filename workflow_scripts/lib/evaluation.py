@@ -1,5 +1,6 @@
 """Evaluation, everything but the entry: the held-out prompts, one vLLM engine per speculator
-run in a child process of its own, and the figures read from vLLM's own counters.
+run in a child process of its own, the figures read from vLLM's own counters, and per prompt
+(vLLM's per-request speculative-decoding metrics) a bootstrap confidence interval over prompts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from workflow_scripts.lib.chat import (
     BadRow,
@@ -23,6 +26,7 @@ from workflow_scripts.lib.engine import close_llm, make_llm
 
 log = logging.getLogger("eagle3")
 CHILD_EXIT_S = 10  # seconds an engine's process gets to exit once it has written its results
+BOOTSTRAP_RESAMPLES = 2000
 
 
 def prompt_messages(row) -> list[dict[str, str]]:
@@ -103,6 +107,7 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
         ]
         before = after
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        metrics = [o.outputs[0].spec_decode_metrics for o in outputs]
         results[name] = {
             "temperature": temperature,
             "generation_s": elapsed,
@@ -113,10 +118,62 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
             "num_accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
+            # per prompt: how many verify steps accepted j = 0..k draft tokens
+            "acceptance_histograms": [list(m.histogram) if m else None for m in metrics],
             "outputs": [list(o.outputs[0].token_ids) for o in outputs],
         }
     write_json(out_path, results)  # atomically: the parent waits for this file
     close_llm(llm)
+
+
+def acceptance_with_ci(
+    histograms: list[list[int] | None], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> dict[str, Any]:
+    """Mean acceptance length and acceptance rate per draft position, pooled over prompts as
+    vLLM's counters pool them, each with a 95% percentile-bootstrap interval over prompts
+    (prompts resampled with replacement, seeded): how far another set of prompts like these
+    could move the figure."""
+    rows = np.array([h for h in histograms if h and sum(h)], dtype=np.float64)  # [P, k + 1]
+    if len(rows) == 0:
+        return {"num_prompts": 0}
+    k = rows.shape[1] - 1
+    steps = rows.sum(1)  # verify steps with drafts, per prompt
+    # accepted at position i: steps that accepted more than i draft tokens
+    at = np.stack([rows[:, i + 1 :].sum(1) for i in range(k)], axis=1)  # [P, k]
+    pick = np.random.default_rng(seed).integers(0, len(rows), size=(resamples, len(rows)))
+    boot_steps = steps[pick].sum(1)
+    boot_at = at[pick].sum(1) / boot_steps[:, None]  # [R, k]
+    boot_length = 1 + boot_at.sum(1)
+
+    def interval(x):
+        return [round(float(v), 6) for v in np.percentile(x, [2.5, 97.5])]
+
+    rates = at.sum(0) / steps.sum()
+    return {
+        "num_prompts": len(rows),
+        "mean_acceptance_length": float(1 + rates.sum()),
+        "mean_acceptance_length_ci95": interval(boot_length),
+        "acceptance_rate_per_position": [float(r) for r in rates],
+        "acceptance_rate_per_position_ci95": [interval(boot_at[:, i]) for i in range(k)],
+    }
+
+
+def simulated_acceptance(metrics_path: Path, k: int) -> dict[str, Any] | None:
+    """What training simulated for the draft it wrote, on its held-out split: the ``selected``
+    row of its metrics (else the last validation), cut to k draft positions."""
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
+    chosen = [r for r in rows if r.get("split") == "selected"] or [
+        r for r in rows if r.get("split") == "val"
+    ]
+    if not chosen or "acceptance_per_position" not in chosen[-1]:
+        return None
+    row = chosen[-1]
+    rates = row["acceptance_per_position"][:k]
+    return {
+        "step": row["step"],
+        "acceptance_rate_per_position": rates,
+        "mean_acceptance_length": 1 + sum(rates) if len(rates) == k else None,
+    }
 
 
 def run_in_child(job: dict[str, Any], scratch: Path, name: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The evaluation's plots: acceptance per draft position, the draft against n-gram, and the
-training curves."""
+"""The evaluation's plots: acceptance per draft position (vLLM's, with 95% intervals over
+prompts, and what training simulated), the draft against n-gram, and the training curves."""
 
 from __future__ import annotations
 
@@ -21,11 +21,31 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     width = 0.8 / max(len(runs), 1)
     for i, (name, run) in enumerate(runs.items()):
         rates = run["acceptance_rate_per_position"]
+        ci = (run.get("per_prompt") or {}).get("acceptance_rate_per_position_ci95")
+        errors = None
+        if ci and len(ci) == len(rates):
+            errors = [
+                [max(r - lo, 0) for r, (lo, _) in zip(rates, ci)],
+                [max(hi - r, 0) for r, (_, hi) in zip(rates, ci)],
+            ]
         ax.bar(
             [p + 1 + (i - (len(runs) - 1) / 2) * width for p in range(len(rates))],
             rates,
             width=width,
+            yerr=errors,
+            capsize=3,
             label=f"{name} (mean acceptance length {run['mean_acceptance_length']:.2f})",
+        )
+    simulated = results.get("simulated")
+    if simulated:
+        rates = simulated["acceptance_rate_per_position"]
+        ax.plot(
+            range(1, len(rates) + 1),
+            rates,
+            "k_",
+            markersize=20,
+            markeredgewidth=2,
+            label=f"eagle3 simulated in training (step {simulated['step']}, held-out)",
         )
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
@@ -66,17 +86,16 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     axes[0].set_ylabel("loss (forward KL)")
     axes[0].legend()
     source = val or train
-    if source and "top1_agreement" in source[-1]:
-        for k in range(len(source[-1]["top1_agreement"])):
+    key = "acceptance_per_position"
+    if source and key in source[-1]:
+        for k in range(len(source[-1][key])):
             axes[1].plot(
-                [r["step"] for r in source],
-                [r["top1_agreement"][k] for r in source],
-                label=f"TTT step {k}",
+                [r["step"] for r in source], [r[key][k] for r in source], label=f"position {k + 1}"
             )
         axes[1].set_ylim(0, 1)
         axes[1].legend()
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel(f"top-1 agreement with the verifier ({'held-out' if val else 'train'})")
+    axes[1].set_ylabel(f"simulated acceptance per position ({'held-out' if val else 'train'})")
     fig.tight_layout()
     fig.savefig(plot_dir / "training_curves.png", dpi=120)
     plt.close(fig)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -28,16 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from workflow_scripts.lib import shards, verifier
-from workflow_scripts.lib.checkpoint import speculators_config, write_draft_checkpoint
+from workflow_scripts.lib import shards
 from workflow_scripts.lib.common import UserError, atomic_path, format_seconds
 from workflow_scripts.lib.definitions import TrainParams
 from workflow_scripts.lib.draft_model import (
     STAT_KEYS,
-    DraftConfig,
-    Eagle3Draft,
-    TeacherHead,
-    llama_layer_config,
     param_count,
 )
 from workflow_scripts.lib.registry import TrainIO
@@ -50,83 +44,23 @@ from workflow_scripts.lib.training_data import (
     split_samples,
 )
 from workflow_scripts.lib.training_inputs import Inputs
+from workflow_scripts.lib.training_setup import (
+    build_draft,
+    fmt_list,
+    gpu_memory,
+    lr_factor,
+    only_in_draft_vocab,
+    summarize,
+    with_aux_noise,
+    write_draft,
+)
 from workflow_scripts.lib.training_processes import Dist
 
 log = logging.getLogger("eagle3")
 
 STATE_FILE = "state.pt"
 METRICS_FILE = "metrics.jsonl"
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``min_ratio``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
-    """stats [3, S] (kl, correct, count summed over a batch) -> loss and per-step figures."""
-    kl, correct, count = stats
-    count = count.clamp(min=1)
-    per_step_kl = (kl / count).tolist()
-    return {
-        "loss": sum(decay**k * v for k, v in enumerate(per_step_kl)),
-        "kl_per_step": [round(v, 6) for v in per_step_kl],
-        "top1_agreement": [round(v, 6) for v in (correct / count).tolist()],
-        "positions_per_step": [int(v) for v in stats[2].tolist()],
-    }
-
-
-def gpu_memory(device: torch.device) -> str:
-    """', peak GPU memory X GiB' on a GPU (the most this process has held so far), else ''."""
-    if device.type != "cuda":
-        return ""
-    return f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
-
-
-def fmt_list(values: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
-
-
-def build_draft(
-    inputs: Inputs, seed: int, embed_dtype: torch.dtype | None = torch.float32
-) -> tuple[Eagle3Draft, TeacherHead]:
-    """The draft as training starts it, and the teacher. Both take the verifier's final norm and
-    the draft vocabulary's lm_head rows: the teacher frozen, the draft as its starting point.
-    The embedding is the verifier's, frozen (``embed_dtype`` None keeps the verifier's dtype)."""
-    layer_config = llama_layer_config(inputs.verifier_cfg)
-    layer_config["num_aux_hidden_states"] = len(inputs.aux_layer_ids)
-    cfg = DraftConfig.from_layer_config(layer_config, inputs.d2t.numel(), len(inputs.aux_layer_ids))
-    embed = verifier.read_tensor(inputs.tensors["embed"])
-    norm = verifier.read_tensor(inputs.tensors["norm"]).float()
-    head_rows = verifier.read_tensor(inputs.tensors["lm_head"], rows=inputs.t2d).float()
-    torch.manual_seed(seed)
-    model = Eagle3Draft(cfg)
-    model.embed_tokens.to(embed_dtype or embed.dtype)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
-        model.lm_head.weight.copy_(head_rows)
-        model.norm.weight.copy_(norm)
-    return model, TeacherHead(norm, head_rows, cfg.rms_norm_eps)
-
-
-def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO, p: TrainParams):
-    """The draft checkpoint vLLM serves (speculators format, see checkpoint.py)."""
-    vcfg = inputs.verifier_cfg
-    dtype = vcfg.get("torch_dtype") or vcfg.get("dtype")
-    config = speculators_config(
-        layer_config=model.cfg.layer_config,
-        draft_vocab_size=inputs.d2t.numel(),
-        aux_layer_ids=inputs.aux_layer_ids,
-        num_speculative_tokens=p.num_speculative_tokens,
-        verifier_name_or_path=str(Path(io.verifier).resolve()),
-        verifier_architectures=vcfg.get("architectures"),
-        norm_before_residual=model.cfg.norm_before_residual,
-        dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
-    )
-    write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)
+BEST_FILE = "best.pt"  # the weights of the best validation so far; best.json says which
 
 
 class Trainer:
@@ -176,6 +110,8 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, p.warmup_steps, total, p.min_lr_ratio)
         )
         self.step = 0
+        self.serve_k = min(p.num_speculative_tokens, p.ttt_steps)
+        self.best: dict[str, Any] | None = None  # step, score and summary of the best validation
         if d.main:
             log.info(
                 "draft: %s trainable parameters; verifier hidden %d, %d aux layers %s, draft vocab "
@@ -230,6 +166,7 @@ class Trainer:
         if not path.exists():
             if self.d.main:
                 self._rewrite_metrics(keep_until=-1)
+                self._forget_best()
             self.d.barrier()
             return
         state = torch.load(path, map_location="cpu", weights_only=False)
@@ -242,6 +179,7 @@ class Trainer:
                 )
                 path.unlink()
                 self._rewrite_metrics(keep_until=-1)
+                self._forget_best()
             self.d.barrier()
             return
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
@@ -256,6 +194,14 @@ class Trainer:
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
         self.step = int(state["step"])
+        best = self.state_dir / "best.json"
+        if best.exists():
+            self.best = json.loads(best.read_text())
+            if (
+                self.best.get("fingerprint") != self.inputs.fingerprint
+                or self.best["step"] > self.step
+            ):
+                self.best = None  # from other settings, or past the resumed step: made again
         if self.d.main:
             self._rewrite_metrics(keep_until=self.step)
             log.info("resumed from %s at step %d of %d", path, self.step, self.plan.total_steps)
@@ -272,6 +218,30 @@ class Trainer:
         with atomic_path(path) as tmp:
             tmp.write_text("".join(r + "\n" for r in rows))
 
+    def _forget_best(self) -> None:
+        for name in (BEST_FILE, "best.json"):
+            (self.state_dir / name).unlink(missing_ok=True)
+
+    def keep_if_best(self, summary: dict[str, Any]) -> None:
+        """Keep the weights of the best validation by simulated acceptance length (the latest of
+        equal ones), in ``best.pt`` beside the state."""
+        score = summary["simulated_acceptance_length"]
+        if self.best is not None and score < self.best["score"]:
+            return
+        self.best = {
+            "fingerprint": self.inputs.fingerprint,
+            "step": self.step,
+            "score": score,
+            "summary": summary,
+        }
+        if self.d.main:
+            weights = {k: v.cpu() for k, v in self.model.trainable_state_dict().items()}
+            with atomic_path(self.state_dir / BEST_FILE) as tmp:
+                torch.save(weights, tmp)
+            with atomic_path(self.state_dir / "best.json") as tmp:
+                tmp.write_text(json.dumps(self.best))
+        self.d.barrier()
+
     def write_metrics(self, row: dict) -> None:
         if self.d.main:
             with open(self.state_dir / METRICS_FILE, "a") as fh:
@@ -283,12 +253,16 @@ class Trainer:
         """One optimizer step over this process's micro-batches; returns summed stats and the
         gradient norm."""
         p, S = self.p, self.p.ttt_steps
+        if p.loss_positions == "verifier_top1_in_draft_vocab":
+            data.micro_batches = [
+                only_in_draft_vocab(mb, self.teacher, self.d.device) for mb in data.micro_batches
+            ]
         # the loss is a mean over the whole global batch: its counts, summed over processes
         local = [sum(c) for c in zip(*(mb.counted_positions(S) for mb in data.micro_batches))]
         denominators = self.d.all_sum(torch.tensor(local, dtype=torch.float64)).tolist()
         stats = torch.zeros(len(STAT_KEYS), S, dtype=torch.float64)
         for i, mb in enumerate(data.micro_batches):
-            mb = mb.to(self.d.device, non_blocking=True)
+            mb = with_aux_noise(mb.to(self.d.device, non_blocking=True), p.aux_noise)
             last = i == len(data.micro_batches) - 1
             sync = (
                 contextlib.nullcontext() if last or not self.d.distributed else self.ddp.no_sync()
@@ -334,7 +308,7 @@ class Trainer:
                     mb.aux_hidden, mb.final_hidden, mb.input_ids, mb.loss_mask, self.teacher, S
                 )
             stats += torch.stack([s[k] for k in STAT_KEYS])
-        summary = summarize(self.d.all_sum(stats), self.p.ttt_step_loss_decay)
+        summary = summarize(self.d.all_sum(stats), self.p.ttt_step_loss_decay, self.serve_k)
         row = {"step": self.step, "split": "val", **summary}
         self.write_metrics(row)
         if self.d.main:
@@ -373,7 +347,7 @@ class Trainer:
                 torch.cat([stats.flatten(), torch.tensor([float(tokens)], dtype=torch.float64)])
             )
             stats, tokens = totals[:-1].view(len(STAT_KEYS), p.ttt_steps), int(totals[-1])
-            summary = summarize(stats, p.ttt_step_loss_decay)
+            summary = summarize(stats, p.ttt_step_loss_decay, self.serve_k)
             now = time.monotonic()
             window_tokens += tokens
             done = self.step - first_step
@@ -409,7 +383,9 @@ class Trainer:
                 window_start, window_tokens = now, 0
             # validation before the state is saved: a state at step s has every row up to s
             if self.step % p.validate_every_steps == 0 or self.step == total:
-                self.validate()
+                summary = self.validate()
+                if summary is not None:
+                    self.keep_if_best(summary)
             if self.step % p.checkpoint_every_steps == 0 and self.step < total:
                 self.save_state()
         self.save_state()
@@ -418,7 +394,23 @@ class Trainer:
         d.barrier()
 
     def write_outputs(self) -> None:
+        """The draft (the best validation's weights; the last step's without a held-out split)
+        and the metrics, ending with a ``selected`` row: the validation the draft is from."""
+        metrics = (self.state_dir / METRICS_FILE).read_bytes()
+        if self.best is not None:
+            if self.best["step"] != self.step:
+                weights = torch.load(self.state_dir / BEST_FILE, map_location="cpu")
+                self.model.load_state_dict(weights, strict=False)
+            row = {"step": self.best["step"], "split": "selected", **self.best["summary"]}
+            metrics += (json.dumps(row) + "\n").encode()
+            log.info(
+                "the draft is step %d's: simulated acceptance length %.3f at k=%d on the held-out "
+                "split (the best validation)",
+                self.best["step"],
+                self.best["score"],
+                self.serve_k,
+            )
         write_draft(self.io.draft, self.model, self.inputs, self.io, self.p)
         with atomic_path(self.io.metrics) as tmp:
-            tmp.write_bytes((self.state_dir / METRICS_FILE).read_bytes())
+            tmp.write_bytes(metrics)
         log.info("draft checkpoint written to %s, metrics to %s", self.io.draft, self.io.metrics)

@@ -35,9 +35,6 @@ from workflow_scripts.lib.training_data import SampleIndex
 log = logging.getLogger("eagle3")
 
 VERIFIED_FILE = "verified_shards.json"
-# A result setting that only the checkpoint's config.json shows, not the training: a state saved
-# under another value is resumed (so are states saved under other execution settings).
-NOT_IN_FINGERPRINT = ("num_speculative_tokens",)
 
 
 @dataclass
@@ -172,8 +169,10 @@ def verify_shard_checksums(manifest: dict, state_dir: Path) -> None:
 
 
 def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
-    """What a resumable state must have been trained from: settings and input contents."""
-    settings = {k: v for k, v in p.result_settings().items() if k not in NOT_IN_FINGERPRINT}
+    """What a resumable state must have been trained from: its result settings (every one:
+    num_speculative_tokens too, which decides the weights kept) and input contents. States saved
+    under other execution settings are resumed."""
+    settings = p.result_settings()
     files = {
         "manifest": sha256_file(io.manifest),
         "vocab_map": sha256_file(io.vocab_map),

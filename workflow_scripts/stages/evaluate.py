@@ -3,9 +3,11 @@
 For the held-out prompts (chat template applied) it runs the verifier in vLLM three times, each
 engine in its own process: without speculation, with the EAGLE-3 draft, and with vLLM's n-gram
 (prompt lookup) speculator; greedy, and optionally also at a sampled temperature. From vLLM's own
-counters it records mean acceptance length and the acceptance rate per draft position; from
-wall-clock around ``generate`` the output tokens/s. Greedy outputs with a speculator must equal
-the outputs without: every mismatch is listed. Writes a JSON file and PNG plots.
+counters it records mean acceptance length and the acceptance rate per draft position, and from
+its per-request metrics a 95% bootstrap interval over prompts for each; beside them, what training
+simulated for the draft on its held-out split. From wall-clock around ``generate`` the output
+tokens/s. Greedy outputs with a speculator must equal the outputs without: every mismatch is
+listed. Writes a JSON file and PNG plots.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from workflow_scripts.lib.common import (
     run_main,
     write_json,
 )
-from workflow_scripts.lib.evaluation import load_prompts, run_in_child
+from workflow_scripts.lib.evaluation import (
+    acceptance_with_ci,
+    load_prompts,
+    run_in_child,
+    simulated_acceptance,
+)
 from workflow_scripts.lib.evaluation_plots import plot
 
 log = logging.getLogger("eagle3")
@@ -60,8 +67,13 @@ def main() -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, list] = {}
     for name, spec in speculators.items():
+        speculation = (
+            {"speculative_config": spec, "per_request_spec_decode_metrics": "summary"}
+            if spec
+            else {}
+        )
         job = {
-            "engine": {**engine_args, **({"speculative_config": spec} if spec else {})},
+            "engine": {**engine_args, **speculation},
             "prompts": prompts,
             "runs": runs,
             "max_new_tokens": p.max_new_tokens,
@@ -71,6 +83,8 @@ def main() -> None:
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"
             outputs[key] = run.pop("outputs")
+            if run["num_drafts"]:
+                run["per_prompt"] = acceptance_with_ci(run["acceptance_histograms"])
             results["runs"][key] = run
     for path in scratch.iterdir():
         path.unlink()
@@ -95,6 +109,7 @@ def main() -> None:
             )
     base_tps = results["runs"]["baseline"]["output_tokens_per_s"]
     eagle, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
+    results["simulated"] = simulated_acceptance(io.metrics, k)
     results.update(
         {
             "verifier": str(io.verifier),
@@ -107,6 +122,12 @@ def main() -> None:
             "greedy_lossless": not any(mismatches.values()),
             "summary": {
                 "eagle3_mean_acceptance_length": eagle["mean_acceptance_length"],
+                "eagle3_mean_acceptance_length_ci95": eagle.get("per_prompt", {}).get(
+                    "mean_acceptance_length_ci95"
+                ),
+                "eagle3_simulated_acceptance_length": (results["simulated"] or {}).get(
+                    "mean_acceptance_length"
+                ),
                 "ngram_mean_acceptance_length": ngram["mean_acceptance_length"],
                 "eagle3_over_ngram": (
                     eagle["mean_acceptance_length"] / ngram["mean_acceptance_length"]

@@ -1,0 +1,133 @@
+"""What the training loop starts from and ends with: the draft and its teacher built from the
+verifier, the learning-rate schedule, the summary of a batch's statistics, and the draft
+checkpoint vLLM serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workflow_scripts.lib import verifier
+from workflow_scripts.lib.checkpoint import speculators_config, write_draft_checkpoint
+from workflow_scripts.lib.definitions import TrainParams
+from workflow_scripts.lib.draft_model import (
+    DraftConfig,
+    Eagle3Draft,
+    TeacherHead,
+    llama_layer_config,
+)
+from workflow_scripts.lib.registry import TrainIO
+from workflow_scripts.lib.training_data import MicroBatch
+from workflow_scripts.lib.training_inputs import Inputs
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def summarize(stats: torch.Tensor, decay: float, num_speculative_tokens: int) -> dict[str, Any]:
+    """stats [STAT_KEYS, S] summed over a batch -> loss and per-step figures.
+
+    ``top1_agreement``: the draft's top-1 equals the teacher's inside the draft vocabulary (what
+    the loss trains); ``top1_agreement_full_vocab``: equals the verifier's argmax over its whole
+    vocabulary; ``acceptance_per_position``: the share of anchors whose draft tokens up to this
+    position vLLM would all accept (greedy), and from it ``simulated_acceptance_length`` at
+    ``num_speculative_tokens`` (1 + the sum of the first k)."""
+    kl, correct, count, served, accepted, anchors = stats
+    count = count.clamp(min=1)
+    per_step_kl = (kl / count).tolist()
+    acceptance = (accepted / anchors.clamp(min=1)).tolist()
+    return {
+        "loss": sum(decay**k * v for k, v in enumerate(per_step_kl)),
+        "kl_per_step": [round(v, 6) for v in per_step_kl],
+        "top1_agreement": [round(v, 6) for v in (correct / count).tolist()],
+        "top1_agreement_full_vocab": [round(v, 6) for v in (served / count).tolist()],
+        "acceptance_per_position": [round(v, 6) for v in acceptance],
+        "simulated_acceptance_length": round(1 + sum(acceptance[:num_speculative_tokens]), 6),
+        "positions_per_step": [int(v) for v in stats[2].tolist()],
+    }
+
+
+def gpu_memory(device: torch.device) -> str:
+    """', peak GPU memory X GiB' on a GPU (the most this process has held so far), else ''."""
+    if device.type != "cuda":
+        return ""
+    return f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+
+
+def fmt_list(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
+
+
+def build_draft(
+    inputs: Inputs, seed: int, embed_dtype: torch.dtype | None = torch.float32
+) -> tuple[Eagle3Draft, TeacherHead]:
+    """The draft as training starts it, and the teacher. Both take the verifier's final norm and
+    the draft vocabulary's lm_head rows: the teacher frozen, the draft as its starting point.
+    The embedding is the verifier's, frozen (``embed_dtype`` None keeps the verifier's dtype)."""
+    layer_config = llama_layer_config(inputs.verifier_cfg)
+    layer_config["num_aux_hidden_states"] = len(inputs.aux_layer_ids)
+    cfg = DraftConfig.from_layer_config(layer_config, inputs.d2t.numel(), len(inputs.aux_layer_ids))
+    embed = verifier.read_tensor(inputs.tensors["embed"])
+    norm = verifier.read_tensor(inputs.tensors["norm"]).float()
+    head_rows = verifier.read_tensor(inputs.tensors["lm_head"], rows=inputs.t2d).float()
+    head = verifier.read_tensor(inputs.tensors["lm_head"])  # whole: the verifier's own argmax
+    draft_to_verifier = torch.arange(inputs.d2t.numel()) + inputs.d2t.to(torch.int64)
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg)
+    model.embed_tokens.to(embed_dtype or embed.dtype)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head_rows)
+        model.norm.weight.copy_(norm)
+    teacher = TeacherHead(
+        norm, head_rows, cfg.rms_norm_eps, head.to(embed_dtype or head.dtype), draft_to_verifier
+    )
+    return model, teacher
+
+
+def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO, p: TrainParams):
+    """The draft checkpoint vLLM serves (speculators format, see checkpoint.py)."""
+    vcfg = inputs.verifier_cfg
+    dtype = vcfg.get("torch_dtype") or vcfg.get("dtype")
+    config = speculators_config(
+        layer_config=model.cfg.layer_config,
+        draft_vocab_size=inputs.d2t.numel(),
+        aux_layer_ids=inputs.aux_layer_ids,
+        num_speculative_tokens=p.num_speculative_tokens,
+        verifier_name_or_path=str(Path(io.verifier).resolve()),
+        verifier_architectures=vcfg.get("architectures"),
+        norm_before_residual=model.cfg.norm_before_residual,
+        dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
+    )
+    write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)
+
+
+@torch.no_grad()
+def only_in_draft_vocab(mb: MicroBatch, teacher: TeacherHead, device) -> MicroBatch:
+    """``train.loss_positions: verifier_top1_in_draft_vocab``: the micro-batch with a loss mask
+    left without the tokens whose teacher (the verifier at the position before) has its top-1
+    over the whole vocabulary outside the draft vocabulary."""
+    on_device = mb.to(device)
+    top1 = Eagle3Draft.verifier_top1(on_device.final_hidden, on_device.loss_mask, teacher)
+    mask = on_device.loss_mask.clone()
+    mask[:, 1:] &= teacher.in_draft_vocab(top1[:, :-1])
+    return dataclasses.replace(mb, loss_mask=mask.to(mb.loss_mask.device))
+
+
+def with_aux_noise(mb: MicroBatch, amount: float) -> MicroBatch:
+    """``train.aux_noise``: uniform noise in [-amount, amount] on the auxiliary states (drawn
+    from the device's generator, whose state a resumed run restores)."""
+    if amount == 0:
+        return mb
+    noise = torch.empty_like(mb.aux_hidden).uniform_(-amount, amount)
+    return dataclasses.replace(mb, aux_hidden=mb.aux_hidden + noise)
