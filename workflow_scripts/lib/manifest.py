@@ -153,7 +153,9 @@ def merge_parts(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -
 
 def disk_summary(plans: list[dict[str, Any]], manifest: dict[str, Any]) -> dict[str, Any]:
     """The jobs' disk plans as one: the shards' bytes as stored, and what they would take in each
-    storage dtype, per token and against float32 (the report shows this)."""
+    storage dtype, per token and against float32 (the report shows this). Only what the shards
+    are: the same shards give the same manifest, whichever jobs made them and whatever the free
+    space then (each job's log and part have that)."""
     tokens = max(manifest["num_tokens"], 1)
     totals: dict[str, int] = {}
     for plan in plans:
@@ -166,7 +168,6 @@ def disk_summary(plans: list[dict[str, Any]], manifest: dict[str, Any]) -> dict[
         "final_rows": sum(int(plan.get("final_rows", 0)) for plan in plans),
         "final_rows_saved_bytes": sum(int(plan.get("final_rows_saved_bytes", 0)) for plan in plans),
         "bytes_per_token": round(manifest["bytes"] / tokens, 2),
-        "free_bytes_before_extraction": min(int(plan["free_bytes"]) for plan in plans),
         "by_storage_dtype": {
             name: {
                 "bytes": total,
