@@ -4,7 +4,7 @@ typed definitions and from the code itself, not from hand-written lists:
 * every setting of every stage, changed to another valid value: the dry-run plans that stage and
   everything after it for a result setting, nothing for an execution setting;
 * a job count (the one kind of execution setting that changes which job files exist), changed
-  and run: only jobs that load no model run, and nothing after the merges;
+  and run: the jobs load no model, and nothing after the merges is computed again;
 * every module of the code, edited: the dry-run plans exactly the stages whose entry script
   imports it (directly or not) and what follows them.
 """
@@ -27,6 +27,7 @@ from tests.workflow_runner import (
     write_config,
 )
 from workflow_scripts.lib.code_inputs import closure, module_file
+from workflow_scripts.lib.common import sha256_file
 from workflow_scripts.lib.config import ConfigError, load_config
 from workflow_scripts.lib.registry import STAGES
 
@@ -155,29 +156,39 @@ RULES_RUN = re.compile(r"^\s*(?:local)?(?:rule|checkpoint) (\w+):", flags=re.M)
         ("regenerate", "regenerate/job_{}.log", "nothing to do: the model is not loaded"),
     ],
 )
-def test_a_changed_job_count_runs_jobs_that_load_no_model_and_nothing_after(
-    built, stage, log, message
-):
-    """num_jobs 1 -> 2 -> 1, run for real: the jobs rerun without a model, the merge writes the
-    same file, and Snakemake (looking again after the merge, a checkpoint) runs nothing after
-    it; a dry-run then plans nothing."""
-    work, config, _ = built
-    after_merge = {f"{stage}_merge", stage, *TARGET_RULES}
+def test_a_changed_job_count_recomputes_nothing(built, stage, log, message):
+    """num_jobs 1 -> 2 -> 1, run for real: the jobs rerun without a model and the merge writes
+    the same file. Snakemake then drops the rule right after the merge (a checkpoint), but runs
+    the rules after that one with the reason it gave them before the merge ran: each finds its
+    work done (extraction reuses every shard, training resumes at its last step) and writes the
+    same bytes; only evaluation runs again. A dry-run then plans nothing."""
+    work, config, graph = built
     draft = work / "results" / "train" / "draft" / "model.safetensors"
-    draft_mtime = draft.stat().st_mtime_ns
+    before = sha256_file(draft)
     try:
         for num_jobs in (2, 1):
             write_config(work, merged(config, {stage: {"num_jobs": num_jobs}}))
             proc = snakemake(work, "--cores", "2", TARGET)
             ran = set(RULES_RUN.findall(proc.stdout + proc.stderr))
-            assert stage in ran and ran <= after_merge, ran
+            assert stage in ran and ran <= graph[stage] | TARGET_RULES, ran
             for job in range(num_jobs):
                 assert message in (work / "results" / "logs" / log.format(job)).read_text()
+            if "extract" in ran and stage != "extract":
+                text = (work / "results" / "logs" / "extract" / "job_0.log").read_text()
+                assert "nothing to compute: the model is not loaded" in text
+            if "train" in ran:
+                text = (work / "results" / "logs" / "train.log").read_text()
+                assert "resumed from" in text and "starting from scratch" not in text, text
+                assert not re.search(r"INFO step \d+/", text), "training took steps"
+            assert sha256_file(draft) == before
             assert planned(work, TARGET) == {}
+    except BaseException:
+        write_config(work, config)
+        snakemake(work, "--cores", "2", TARGET)  # back to the one-job build for the next tests
+        raise
     finally:
         write_config(work, config)
     assert planned(work, TARGET) == {}
-    assert draft.stat().st_mtime_ns == draft_mtime
 
 
 def code_files(work: Path) -> list[str]:

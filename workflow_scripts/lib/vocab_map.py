@@ -13,6 +13,7 @@ numpy only (no torch): the vocab job is small and starts fast.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -66,12 +67,19 @@ def write_vocab_map(path: Path | str, counts: np.ndarray, k: int) -> dict[str, f
     vocab_size = counts.size
     selected = select_vocab(counts, k)
     d2t, t2d = build_maps(selected, vocab_size)
+    # one metadata entry: safetensors writes its metadata map in an order that changes from one
+    # process to the next, and the same map must be the same bytes (training's fingerprint and
+    # Snakemake's checksums compare bytes)
+    sizes = json.dumps({"draft_vocab_size": k, "verifier_vocab_size": vocab_size})
     with atomic_path(path) as tmp:
         save_file(
             {"d2t": d2t, "t2d": t2d, "token_counts": counts.astype(np.int64)},
             str(tmp),
-            metadata={"draft_vocab_size": str(k), "verifier_vocab_size": str(vocab_size)},
+            metadata={"sizes": sizes},
         )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its file readable by the owner only
     total = int(counts.sum())
     covered = int(counts[selected].sum())
     return {
