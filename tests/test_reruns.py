@@ -161,14 +161,15 @@ def test_a_changed_job_count_recomputes_nothing(built, stage, log, message):
     the same file. Snakemake then drops the rule right after the merge (a checkpoint), but runs
     the rules after that one with the reason it gave them before the merge ran: each finds its
     work done (extraction reuses every shard, training resumes at its last step) and writes the
-    same bytes; only evaluation runs again. A dry-run then plans nothing."""
+    same bytes; evaluation would run again (here the target is the draft). A dry-run then plans
+    nothing, evaluation included."""
     work, config, graph = built
     draft = work / "results" / "train" / "draft" / "model.safetensors"
     before = sha256_file(draft)
     try:
         for num_jobs in (2, 1):
             write_config(work, merged(config, {stage: {"num_jobs": num_jobs}}))
-            proc = snakemake(work, "--cores", "2", TARGET)
+            proc = snakemake(work, "--cores", "2", "draft_ckpt")  # evaluation would run again
             ran = set(RULES_RUN.findall(proc.stdout + proc.stderr))
             assert stage in ran and ran <= graph[stage] | TARGET_RULES, ran
             for job in range(num_jobs):
@@ -184,7 +185,7 @@ def test_a_changed_job_count_recomputes_nothing(built, stage, log, message):
             assert planned(work, TARGET) == {}
     except BaseException:
         write_config(work, config)
-        snakemake(work, "--cores", "2", TARGET)  # back to the one-job build for the next tests
+        snakemake(work, "--cores", "2", "draft_ckpt")  # back to the one-job build
         raise
     finally:
         write_config(work, config)
