@@ -5,6 +5,7 @@ with samples of 8192 tokens, and the train command line that uses them.
     python benchmarks/gpu_check.py prepare DIR [--small]   # verifier head, shards, vocab map
     python benchmarks/gpu_check.py args DIR [--small]      # the train stage's arguments
     python benchmarks/gpu_check.py report LOG              # the figures from the train log
+    python benchmarks/gpu_check.py fp8 [--small]           # float8 shard encoding on the device
 
 Only the verifier's embedding, final norm and lm_head are written (all training reads). The
 hidden states are random but learnable: the final state is a fixed mixture of the auxiliary
@@ -152,16 +153,57 @@ def report(log: Path) -> None:
     print("the loss fell" if losses[-1] < losses[0] else "THE LOSS DID NOT FALL")
 
 
+def fp8(small: bool) -> None:
+    """The float8 storage encoding where extraction runs it on a GPU (before the copy to host
+    memory): the same bytes as on the CPU, and its speed."""
+    import time
+
+    import torch
+
+    from workflow_scripts.lib import shards
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, _, tokens = shape(small)
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(tokens, 3, cfg["hidden"], generator=g).to(torch.bfloat16)
+    aux[:, :, :4] *= 300  # a few large channels, as verifiers have
+    final = torch.randn(tokens, cfg["hidden"], generator=g).to(torch.bfloat16)
+    on_cpu = shards.encode_states(aux, final, shards.FP8)
+    aux_d, final_d = aux.to(device), final.to(device)
+    shards.encode_states(aux_d, final_d, shards.FP8)  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    on_device = shards.encode_states(aux_d, final_d, shards.FP8)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    same = all(
+        torch.equal(on_cpu[k].view(torch.uint8) if on_cpu[k].dtype == shards.FP8 else on_cpu[k],
+                    (on_device[k].view(torch.uint8) if on_device[k].dtype == shards.FP8
+                     else on_device[k]).cpu())
+        for k in on_cpu
+    )  # fmt: skip
+    stored = sum(v.numel() * v.element_size() for v in on_device.values())
+    print(
+        f"float8 encoding on {device}: {tokens} tokens x 4 layers x {cfg['hidden']} in "
+        f"{seconds * 1e3:.1f} ms ({aux.numel() * 2 * 4 / 3 / seconds / 1e9:.1f} GB/s of bfloat16 "
+        f"read), {stored / tokens:.0f} bytes per token stored; same bytes as on the CPU: {same}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("what", choices=["prepare", "args", "report"])
-    ap.add_argument("path", type=Path)
+    ap.add_argument("what", choices=["prepare", "args", "report", "fp8"])
+    ap.add_argument("path", type=Path, nargs="?")
     ap.add_argument("--small", action="store_true")
     a = ap.parse_args()
     if a.what == "prepare":
         prepare(a.path, a.small)
     elif a.what == "args":
         print(shlex.join(train_args(a.path, a.small)))
+    elif a.what == "fp8":
+        fp8(a.small)
     else:
         report(a.path)
 

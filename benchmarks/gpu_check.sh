@@ -32,6 +32,7 @@ import torch
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF
+"$PY" benchmarks/gpu_check.py fp8 "${SMALL[@]}" | tee "$OUT/fp8.txt"
 start=$(date +%s)
 "$PY" benchmarks/gpu_check.py prepare "$WORK" "${SMALL[@]}"
 read -r -a ARGS <<<"$("$PY" benchmarks/gpu_check.py args "$WORK" "${SMALL[@]}")"
