@@ -14,7 +14,7 @@ from typing import Any
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.extraction import MAX_LISTED, Plan
-from workflow_scripts.lib.shards import TORCH_DTYPES
+from workflow_scripts.lib.shards import TORCH_DTYPES, shard_layout
 
 log = logging.getLogger("eagle3")
 
@@ -24,16 +24,18 @@ STORAGE_CHOICES = ("float32", "bfloat16", "float8_e4m3fn")
 def disk_plan(plan: Plan) -> dict[str, Any]:
     """The exact bytes of this job's shards, in the plan's storage dtype and in each of the
     others: all of them, and those still to write."""
-    by_storage = {}
+    by_storage, todo_sizes = {}, {}
     for storage in dict.fromkeys([plan.storage, *STORAGE_CHOICES]):
         sizes = [plan.shard_bytes(s, storage) for s in plan.shards]
-        todo = [size for s, size in zip(plan.shards, sizes) if s.entry is None]
-        by_storage[storage] = {"bytes": sum(sizes), "todo_bytes": sum(todo)}
+        todo_sizes[storage] = [size for s, size in zip(plan.shards, sizes) if s.entry is None]
+        by_storage[storage] = {"bytes": sum(sizes), "todo_bytes": sum(todo_sizes[storage])}
     tokens = sum(s.num_tokens for s in plan.shards)
     final_rows = sum(s.final_rows for s in plan.shards)
-    final_row_bytes = plan.hidden_size * TORCH_DTYPES[plan.storage].itemsize
-    if plan.storage == "float8_e4m3fn":
-        final_row_bytes += 4  # its scale
+    # one final row's bytes as the layout stores it (its scale too, for float8)
+    rows = shard_layout(
+        1, 0, 0, len(plan.aux_ids), plan.hidden_size, TORCH_DTYPES[plan.storage], {}
+    ).row_bytes
+    final_row_bytes = rows["final_hidden_states"] + rows.get("final_scales", 0)
     return {
         "storage_dtype": plan.storage,
         "num_tokens": tokens,
@@ -41,7 +43,7 @@ def disk_plan(plan: Plan) -> dict[str, Any]:
         "final_rows": final_rows,
         "final_rows_saved_bytes": (tokens - final_rows) * final_row_bytes,
         "todo_shards": len(plan.todo),
-        "todo_shard_bytes": [plan.shard_bytes(s) for s in plan.todo],
+        "todo_shard_bytes": todo_sizes[plan.storage],
         "by_storage_dtype": by_storage,
     }
 

@@ -147,7 +147,11 @@ class Plan:
         """The safetensors metadata of a shard (stored as ``storage``, by default the plan's)."""
         storage = storage or self.storage
         return {
-            "fingerprint": fingerprint(shard_key(self.key, storage), shard),
+            "fingerprint": (
+                shard.fingerprint
+                if storage == self.storage
+                else fingerprint(shard_key(self.key, storage), shard)
+            ),
             "sample_start": str(shard.start),
             "sample_end": str(shard.end),
             "skipped_samples": json.dumps(shard.skipped),

@@ -324,7 +324,6 @@ def shard_jobs(io, plan: Plan, shards: list[ShardPlan]):
             for i, row in read_rows(io.tokenized, plan.line_offsets, shard.samples)
         ]
         meta = plan.shard_metadata(shard)
-        assert meta["fingerprint"] == shard.fingerprint
         yield ShardJob(shard.index, shard.path, samples, meta, extra={"plan": shard})
 
 
@@ -345,9 +344,10 @@ def extract(io, p, plan: Plan) -> None:
 
     def finish(shard: ShardPlan, writer) -> None:
         entry = writer.finish()
-        if entry["bytes"] != plan.shard_bytes(shard):  # the disk plan is exact
+        planned = plan.shard_bytes(shard)
+        if entry["bytes"] != planned:  # the disk plan is exact
             raise RuntimeError(
-                f"{shard.path}: {entry['bytes']} bytes, the disk plan said {plan.shard_bytes(shard)}"
+                f"{shard.path}: {entry['bytes']} bytes, the disk plan said {planned}"
             )
         shard.entry = remember_entry(shard.path, entry)
         log.info(

@@ -35,6 +35,12 @@ def shard_name(index: int) -> str:
     return f"shard_{index:06d}.safetensors"
 
 
+def storage_dtype(manifest: dict[str, Any]) -> str:
+    """The dtype the manifest's shards store their states in (manifests from before storage
+    dtypes: as computed)."""
+    return manifest.get("storage_dtype", manifest["dtype"])
+
+
 def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
     """Read a manifest, check every shard exists (and its checksum, if asked); shard paths in
     the result are absolute."""

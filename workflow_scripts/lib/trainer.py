@@ -60,7 +60,8 @@ log = logging.getLogger("eagle3")
 
 STATE_FILE = "state.pt"
 METRICS_FILE = "metrics.jsonl"
-BEST_FILE = "best.pt"  # the weights of the best validation so far; best.json says which
+BEST_FILE = "best.pt"  # the weights of the best validation so far
+BEST_META = "best.json"  # which validation that is (step, score, summary)
 
 
 class Trainer:
@@ -194,7 +195,7 @@ class Trainer:
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
         self.step = int(state["step"])
-        best = self.state_dir / "best.json"
+        best = self.state_dir / BEST_META
         if best.exists():
             self.best = json.loads(best.read_text())
             if (
@@ -219,7 +220,7 @@ class Trainer:
             tmp.write_text("".join(r + "\n" for r in rows))
 
     def _forget_best(self) -> None:
-        for name in (BEST_FILE, "best.json"):
+        for name in (BEST_FILE, BEST_META):
             (self.state_dir / name).unlink(missing_ok=True)
 
     def keep_if_best(self, summary: dict[str, Any]) -> None:
@@ -238,7 +239,7 @@ class Trainer:
             weights = {k: v.cpu() for k, v in self.model.trainable_state_dict().items()}
             with atomic_path(self.state_dir / BEST_FILE) as tmp:
                 torch.save(weights, tmp)
-            with atomic_path(self.state_dir / "best.json") as tmp:
+            with atomic_path(self.state_dir / BEST_META) as tmp:
                 tmp.write_text(json.dumps(self.best))
         self.d.barrier()
 

@@ -17,6 +17,7 @@ import torch
 
 from workflow_scripts.lib import shards
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.manifest import storage_dtype
 
 PACK_WINDOW_SAMPLES = 256  # samples sorted by length together when packing micro-batches
 
@@ -30,7 +31,7 @@ class SampleIndex:
         self.max_tokens = max_tokens
         self.readers, shard_of, local_of, lengths = [], [], [], []
         n_aux, H = len(manifest["aux_layer_ids"]), manifest["hidden_size"]
-        storage = manifest.get("storage_dtype", manifest["dtype"])
+        storage = storage_dtype(manifest)
         for i, entry in enumerate(manifest["shards"]):
             try:
                 reader = shards.ShardReader(Path(entry["path"]))

@@ -28,7 +28,7 @@ from workflow_scripts.lib.common import (
     sha256_file,
 )
 from workflow_scripts.lib.definitions import TrainParams
-from workflow_scripts.lib.manifest import LAYER_CONVENTION, load_manifest
+from workflow_scripts.lib.manifest import LAYER_CONVENTION, load_manifest, storage_dtype
 from workflow_scripts.lib.registry import TrainIO
 from workflow_scripts.lib.training_data import SampleIndex
 
@@ -100,9 +100,7 @@ def check_manifest(manifest: dict, vcfg: dict, verifier_dir: Path, where: Path) 
         )
     if manifest.get("dtype") not in ("float32", "bfloat16", "float16"):
         raise UserError(f"{where}: unknown dtype {manifest.get('dtype')!r}")
-    storage = manifest.setdefault(
-        "storage_dtype", manifest["dtype"]
-    )  # older manifests: as computed
+    storage = storage_dtype(manifest)
     if storage not in shards.TORCH_DTYPES:
         raise UserError(
             f"{where}: unknown storage_dtype {storage!r} (known: {', '.join(shards.TORCH_DTYPES)})"
