@@ -24,7 +24,7 @@ LIB = "workflow_scripts.lib"
 
 # Library modules that belong to one stage (by file name); the rest are shared by several.
 OWNERS = {
-    "demo": ("demo_data", "demo_verifier"),
+    "demo": ("demo_data", "demo_docs", "demo_verifier"),
     "regenerate": ("regeneration",),
     "vocab": ("vocab_map",),
     "extract": ("extraction", "disk_plan", "extraction_engines", "hidden_states_connector"),

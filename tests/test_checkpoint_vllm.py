@@ -176,17 +176,19 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    out = tmp_path / "train"
-    args = inputs.args(
-        out,
+    out, out31 = tmp_path / "train", tmp_path / "train-3.1"
+    settings = dict(
         epochs=EPOCHS,
         learning_rate=3e-3,
         warmup_steps=10,
         micro_batch_budget_tokens=4096,
         checkpoint_every_steps=1000,
     )
+    args = inputs.args(out, **settings)
     try:
         train.main(args)
+        # EAGLE-3.1's options: an input norm before fc, the normed output fed back
+        train.main(inputs.args(out31, norm_before_fc=True, norm_output=True, **settings))
     finally:
         torch.set_num_threads(threads)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -196,7 +198,7 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     # the same shape, untrained: the draft as training starts it, written the same way
     io, p = cli.parse("train", args)
     checked = training_inputs.check_inputs(io, p)
-    initial, _ = training_setup.build_draft(checked, p.seed)
+    initial, _ = training_setup.build_draft(checked, p)
     training_setup.write_draft(tmp_path / "untrained", initial, checked, io, p)
 
     # the draft ships the verifier's embedding (vLLM needs it under pipeline parallelism)
@@ -205,16 +207,25 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     shipped = load_file(str(out / "draft" / "model.safetensors"))["embed_tokens.weight"]
     assert torch.equal(shipped, model.model.embed_tokens.weight)
 
+    config31 = json.loads((out31 / "draft" / "config.json").read_text())
+    assert config31["norm_before_fc"] is True and config31["norm_output"] is True
+    assert "input_norm.weight" in load_file(str(out31 / "draft" / "model.safetensors"))
+
     prompts = _prompts(demo_build, 16)
-    good, bad = run_spec_decode(verifier, [out / "draft", tmp_path / "untrained"], prompts, 48)
+    drafts = [out / "draft", tmp_path / "untrained", out31 / "draft"]
+    good, bad, good31 = run_spec_decode(verifier, drafts, prompts, 48)
     print("trained:", good["mean_acceptance_length"], good["counters"])
     print("untrained:", bad["mean_acceptance_length"], bad["counters"])
+    print("trained, 3.1 options:", good31["mean_acceptance_length"], good31["counters"])
 
     # speculative decoding never changes greedy output: both equal the verifier's own
     assert good["outputs"] == bad["outputs"]
     assert good["counters"]["vllm:spec_decode_num_drafts"] > 0
     assert good["mean_acceptance_length"] > 2.0
     assert good["mean_acceptance_length"] > bad["mean_acceptance_length"] + 1.0
+    # served as trained: a norm vLLM applied differently would lose the later positions
+    assert good31["outputs"] == good["outputs"]
+    assert good31["mean_acceptance_length"] > bad["mean_acceptance_length"] + 1.0
 
 
 if __name__ == "__main__":  # the request file in, the same file with the result out

@@ -82,6 +82,8 @@ def candidates(annotation, current) -> list:
     if annotation is float:
         near = [] if current is None else [current * 0.5, current + 0.1]
         return near + [0.5]
+    if origin is list and args == (str,):
+        return [list(current or [])[:1] or ["x"]]
     if origin is list:
         return [[1, 3, 5]]
     return []

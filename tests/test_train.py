@@ -93,7 +93,7 @@ def run_script(args, timeout=300):
 # --------------------------------------------------------------------------- the model
 
 
-def small_draft(seed=0, vocab=50, hidden=32, heads=4, kv_heads=2):
+def small_draft(seed=0, vocab=50, hidden=32, heads=4, kv_heads=2, **options):
     layer = llama_layer_config(
         dict(
             hidden_size=hidden,
@@ -107,7 +107,7 @@ def small_draft(seed=0, vocab=50, hidden=32, heads=4, kv_heads=2):
         )
     )
     torch.manual_seed(seed)
-    model = Eagle3Draft(DraftConfig.from_layer_config(layer, draft_vocab_size=20))
+    model = Eagle3Draft(DraftConfig.from_layer_config(layer, draft_vocab_size=20, **options))
     model.reset_parameters(std=0.3)  # large weights: attention patterns matter
     with torch.no_grad():
         for module in model.modules():
@@ -130,7 +130,13 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
     layer, attn = model.layers[0], model.layers[0].self_attn
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.head_dim
     n = ids.numel() - 1
-    features = model.fc(aux[:n].flatten(1))
+    features = aux[:n].flatten(1)
+    if model.cfg.norm_before_fc:
+        features = model.input_norm(features)
+    features = model.fc(features)
+
+    def fed_back(r):
+        return model.norm(r) if model.cfg.norm_output else r
 
     def token(t):
         return ids[t] if t < ids.numel() else torch.tensor(0)
@@ -159,17 +165,23 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
     V0 = torch.stack([p[2] for p in prefix])
     for t in range(n):
         out[0, t] = attend(prefix[t][0], K0[: t + 1], V0[: t + 1], prefix[t][3])
-        keys, values, g = K0[: t + 1], V0[: t + 1], out[0, t]
+        keys, values, g = K0[: t + 1], V0[: t + 1], fed_back(out[0, t])
         for k in range(1, ttt_steps):
             q, kk, vv, residual = qkv(token(t + 1 + k), g, t + k)
             keys, values = torch.cat([keys, kk[None]]), torch.cat([values, vv[None]])
-            g = out[k, t] = attend(q, keys, values, residual)
+            out[k, t] = attend(q, keys, values, residual)
+            g = fed_back(out[k, t])
     return out
 
 
-@pytest.mark.parametrize("norm_before_residual", [True, False])
-def test_ttt_unroll_equals_token_by_token_decoding(norm_before_residual):
-    model = small_draft()
+@pytest.mark.parametrize(
+    "norm_before_residual, norm_before_fc, norm_output",
+    [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+)
+def test_ttt_unroll_equals_token_by_token_decoding(
+    norm_before_residual, norm_before_fc, norm_output
+):
+    model = small_draft(norm_before_fc=norm_before_fc, norm_output=norm_output)
     model.cfg.norm_before_residual = norm_before_residual
     model.layers[0].norm_before_residual = norm_before_residual
     model.double()  # float64: any difference is a logic error, not rounding

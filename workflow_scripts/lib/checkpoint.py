@@ -4,7 +4,8 @@
     <dir>/config.json        speculators_model_type "eagle3", architectures ["Eagle3Speculator"],
                              the draft's Llama layer (transformer_layer_config), the auxiliary
                              layer ids in vLLM's convention, the verifier it was trained for
-    <dir>/model.safetensors  embed_tokens.weight [V, H], fc.weight [H, mH], layers.0.*,
+    <dir>/model.safetensors  embed_tokens.weight [V, H], fc.weight [H, mH], input_norm.weight
+                             [mH] (with norm_before_fc), layers.0.*,
                              norm.weight, lm_head.weight [K, H], d2t int64 [K] and t2d bool [V]
                              (only when K < V)
 
@@ -37,6 +38,8 @@ def speculators_config(
     verifier_name_or_path: str,
     verifier_architectures: list[str] | None,
     norm_before_residual: bool = True,
+    norm_before_fc: bool = False,
+    norm_output: bool = False,
     dtype: str = "float32",
 ) -> dict[str, Any]:
     """config.json of a draft. ``aux_layer_ids`` are in vLLM's convention (id k = input of
@@ -49,6 +52,8 @@ def speculators_config(
         "draft_vocab_size": int(draft_vocab_size),
         "target_hidden_size": int(layer_config["hidden_size"]),
         "norm_before_residual": bool(norm_before_residual),
+        "norm_before_fc": bool(norm_before_fc),
+        "norm_output": bool(norm_output),
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
         "transformer_layer_config": {**layer_config, "dtype": dtype},
         "torch_dtype": dtype,

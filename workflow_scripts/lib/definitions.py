@@ -34,6 +34,17 @@ class DemoParams(StageParams):
     """The embedded default: a chat dataset and a tiny Llama verifier, built offline."""
 
     seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
+    corpus: Literal["rules", "package_docs"] = Field(
+        "rules",
+        description="rules: rule-based tasks a tiny verifier learns exactly (quick, but every "
+        "answer is predictable); package_docs: natural text, the docstrings of corpus_packages "
+        "(realistic entropy, for measuring draft quality; see config.quality.yaml).",
+    )
+    corpus_packages: list[str] = Field(
+        ["torch", "vllm", "sympy", "pandas", "networkx", "numpy", "matplotlib", "sqlalchemy"],
+        min_length=1,
+        description="Installed packages whose docstrings make the package_docs corpus.",
+    )
     num_conversations: int = Field(
         1200, ge=10, description="Multi-turn conversations written to chat_data.jsonl."
     )
@@ -283,6 +294,16 @@ class TrainParams(StageParams):
         description="Positions trained on: every assistant token, or only those whose verifier "
         "top-1 (over its whole vocabulary) is in the draft vocabulary, which the draft can "
         "propose (as EAGLE and SpecForge train). Validation and its acceptance count all.",
+    )
+    norm_before_fc: bool = Field(
+        False,
+        description="EAGLE-3.1: an RMSNorm over the concatenated auxiliary states before fc "
+        "(checkpoint key norm_before_fc, served by vLLM).",
+    )
+    norm_output: bool = Field(
+        False,
+        description="EAGLE-3.1: the state fed back to the next draft step is the normed output "
+        "instead of the one before the final norm (checkpoint key norm_output, served by vLLM).",
     )
     epochs: int = Field(10, ge=1, description="Passes over the training split.")
     micro_batch_budget_tokens: int = Field(

@@ -349,6 +349,37 @@ def greedy_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: 
     return answers
 
 
+def held_out_loss(model, tokenizer, eval_rows: list[dict]) -> dict:
+    """Teacher-forced cross-entropy (nats per token) and top-1 accuracy of the verifier on the
+    held-out references, as answers to their prompts."""
+    import torch
+
+    samples = [
+        encode_conversation(
+            tokenizer,
+            {
+                "id": r["id"],
+                "messages": r["messages"] + [{"role": "assistant", "content": r["reference"]}],
+            },
+        )
+        for r in eval_rows
+    ]
+    input_ids, position_ids, weights = pack_batch(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    targets = input_ids[:, 1:]
+    per_token = torch.nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), targets, reduction="none"
+    )
+    w = (weights[:, 1:] == 1).float()
+    right = (logits[:, :-1].argmax(-1) == targets).float()
+    return {
+        "held_out_loss": round(float((per_token * w).sum() / w.sum()), 4),
+        "held_out_top1": round(float((right * w).sum() / w.sum()), 4),
+        "held_out_tokens": int(w.sum()),
+    }
+
+
 def evaluate(model, tokenizer, eval_rows: list[dict]) -> dict:
     # an answer longer than its reference (and the end of turn) cannot be right
     longest = max(
@@ -374,6 +405,7 @@ def evaluate(model, tokenizer, eval_rows: list[dict]) -> dict:
             )
     return {
         "held_out_prompts": len(eval_rows),
+        **held_out_loss(model, tokenizer, eval_rows),
         "exact_match": sum(right.values()) / max(1, len(eval_rows)),
         "exact_match_by_family": {f: right[f] / total[f] for f in sorted(total)},
         "examples_wrong": wrong,

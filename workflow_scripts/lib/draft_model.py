@@ -3,13 +3,16 @@
 The draft is one Llama decoder layer that reads the verifier's features (names as in the
 checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
 
-    g      = fc(concat(aux_1, ..., aux_m))                 # step 0: verifier features, [H]
+    g      = fc(input_norm(concat(aux_1, ..., aux_m)))     # step 0: verifier features, [H]
     x      = concat(input_layernorm(embed(token)), hidden_norm(g))          # [2H]
     r      = hidden_norm(g) if norm_before_residual else g
     r      = r + self_attn(x)                              # q/k/v project 2H, RoPE
     r      = r + mlp(post_attention_layernorm(r))
     logits = lm_head(norm(r))                              # [K]
-    g      = r                                             # fed back at the next step
+    g      = norm(r) if norm_output else r                 # fed back at the next step
+
+input_norm (an RMSNorm over the m x H features) exists with ``norm_before_fc`` only; that and
+``norm_output`` are EAGLE-3.1's options, config keys of the checkpoint that vLLM reads.
 
 Alignment. A sample is tokens x_0..x_{T-1} with the verifier's states at every position. Draft
 index t (0 <= t < T-1) at TTT step k:
@@ -112,11 +115,18 @@ class DraftConfig:
     draft_vocab_size: int
     num_aux_layers: int = 3
     norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    norm_output: bool = False
     layer_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_layer_config(
-        cls, layer_config: dict[str, Any], draft_vocab_size: int, num_aux_layers: int = 3
+        cls,
+        layer_config: dict[str, Any],
+        draft_vocab_size: int,
+        num_aux_layers: int = 3,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
     ) -> "DraftConfig":
         c = layer_config
         return cls(
@@ -129,6 +139,8 @@ class DraftConfig:
             verifier_vocab_size=c["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             num_aux_layers=num_aux_layers,
+            norm_before_fc=norm_before_fc,
+            norm_output=norm_output,
             layer_config=dict(layer_config),
         )
 
@@ -268,6 +280,8 @@ class Eagle3Draft(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.verifier_vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.num_aux_layers * H, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_aux_layers * H, H, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -300,15 +314,19 @@ class Eagle3Draft(nn.Module):
         """
         B, L = input_ids.shape
         n = L - 1
-        g = self.fc(aux_hidden[:, :n].flatten(2))
+        features = aux_hidden[:, :n].flatten(2)
+        if self.cfg.norm_before_fc:
+            features = self.input_norm(features)
+        g = self.fc(features)
         positions = torch.arange(n, device=input_ids.device)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         outputs = []
         for k in range(ttt_steps):
             embeds = self.embed_tokens(shift_left(input_ids, 1 + k, n))  # x_{t+1+k}
             cos, sin = self.rotary(positions + k)
-            g = self.layers[0](embeds.to(g.dtype), g, cos, sin, cache)
-            outputs.append(g)
+            r = self.layers[0](embeds.to(g.dtype), g, cos, sin, cache)
+            outputs.append(r)
+            g = self.norm(r) if self.cfg.norm_output else r
         return outputs
 
     def forward(

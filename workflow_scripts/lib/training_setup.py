@@ -69,20 +69,28 @@ def fmt_list(values: list[float]) -> str:
 
 
 def build_draft(
-    inputs: Inputs, seed: int, embed_dtype: torch.dtype | None = torch.float32
+    inputs: Inputs,
+    p: TrainParams,
+    embed_dtype: torch.dtype | None = torch.float32,
 ) -> tuple[Eagle3Draft, TeacherHead]:
     """The draft as training starts it, and the teacher. Both take the verifier's final norm and
     the draft vocabulary's lm_head rows: the teacher frozen, the draft as its starting point.
     The embedding is the verifier's, frozen (``embed_dtype`` None keeps the verifier's dtype)."""
     layer_config = llama_layer_config(inputs.verifier_cfg)
     layer_config["num_aux_hidden_states"] = len(inputs.aux_layer_ids)
-    cfg = DraftConfig.from_layer_config(layer_config, inputs.d2t.numel(), len(inputs.aux_layer_ids))
+    cfg = DraftConfig.from_layer_config(
+        layer_config,
+        inputs.d2t.numel(),
+        len(inputs.aux_layer_ids),
+        norm_before_fc=p.norm_before_fc,
+        norm_output=p.norm_output,
+    )
     embed = verifier.read_tensor(inputs.tensors["embed"])
     norm = verifier.read_tensor(inputs.tensors["norm"]).float()
     head_rows = verifier.read_tensor(inputs.tensors["lm_head"], rows=inputs.t2d).float()
     head = verifier.read_tensor(inputs.tensors["lm_head"])  # whole: the verifier's own argmax
     draft_to_verifier = torch.arange(inputs.d2t.numel()) + inputs.d2t.to(torch.int64)
-    torch.manual_seed(seed)
+    torch.manual_seed(p.seed)
     model = Eagle3Draft(cfg)
     model.embed_tokens.to(embed_dtype or embed.dtype)
     with torch.no_grad():
@@ -107,6 +115,8 @@ def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO
         verifier_name_or_path=str(Path(io.verifier).resolve()),
         verifier_architectures=vcfg.get("architectures"),
         norm_before_residual=model.cfg.norm_before_residual,
+        norm_before_fc=model.cfg.norm_before_fc,
+        norm_output=model.cfg.norm_output,
         dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
     )
     write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)

@@ -1,30 +1,37 @@
-"""demo: the embedded default, built offline: chat data, a tokenizer and a tiny Llama verifier.
+"""demo: a verifier and chat data built offline: the embedded default, or the quality benchmark.
 
-1. Generates ``chat_data.jsonl`` (rule-based multi-turn conversations, see ``lib/demo_data.py``) and
-   ``eval_prompts.jsonl`` (held-out prompts with their expected answers under ``reference``).
+1. Generates ``chat_data.jsonl`` and ``eval_prompts.jsonl`` (held-out prompts with the expected
+   answer under ``reference``) from ``demo.corpus``: ``rules``, rule-based multi-turn tasks whose
+   answers a tiny model learns exactly (``lib/demo_data.py``, the embedded default); or
+   ``package_docs``, natural text from the docstrings of installed packages, held-out prompts
+   from module files never used in training (``lib/demo_docs.py``, ``config.quality.yaml``).
 2. Trains a byte-level BPE tokenizer on the data with Llama-3 special tokens and chat template.
 3. Trains a small ``LlamaForCausalLM`` on the assistant tokens (the same mask that ``prepare``
-   builds), with conversations packed into rows, and checks it by greedy generation on the
-   held-out prompts (the accuracy is logged and written to ``demo_report.json``).
+   builds), with conversations packed into rows, and checks it on the held-out prompts:
+   teacher-forced loss and top-1 on the references, and exact greedy answers (logged and
+   written to ``demo_report.json``).
 4. Writes the verifier directory (float32 safetensors, config, generation config, tokenizer)
    under a temporary name and renames it when complete.
 
-The tokenizer and the verifier are made in ``lib/demo_verifier.py``. The same seed gives byte-identical data and tokenizer files on any machine, and an identical
-verifier directory on the same kind of CPU with the same software versions (on this project's
-machines, also with 1 or 2 threads). The verifier trains on the first train_steps x train_batch_size_samples
-conversations of the generator's stream, which begins with chat_data and goes on with fresh
-conversations (with the defaults, eight times as many as chat_data holds), so that it learns the
-rules rather than the examples.
+The tokenizer and the verifier are made in ``lib/demo_verifier.py``. The same seed gives
+byte-identical data and tokenizer files on any machine (for ``package_docs``, with the pinned
+requirements), and an identical verifier directory on the same kind of CPU with the same software
+versions (on this project's machines, also with 1 or 2 threads). The verifier trains on the first
+train_steps x train_batch_size_samples conversations of the corpus' stream, which begins with
+chat_data and goes on with fresh conversations (rules) or the training documents again in a new
+order (package_docs), so that it learns the rules or the language rather than the examples.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 
 from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import UserError, format_seconds, run_main
+from workflow_scripts.lib.demo_docs import DocsCorpus
 from workflow_scripts.lib.demo_data import (
     generate_conversations,
     generate_eval_prompts,
@@ -64,9 +71,18 @@ def main() -> None:
         threads,
     )
 
-    rows = generate_conversations(p.seed, p.num_conversations)
+    if p.corpus == "package_docs":
+        corpus = DocsCorpus(p.seed, p.corpus_packages)
+        log.info("demo: package documentation of %s: %s", p.corpus_packages, corpus.summary())
+        make_rows, make_eval = corpus.generate_conversations, corpus.generate_eval_prompts
+        stream = corpus.iter_conversations()
+    else:
+        make_rows = functools.partial(generate_conversations, p.seed)
+        make_eval = functools.partial(generate_eval_prompts, p.seed)
+        stream = iter_conversations(p.seed)
+    rows = make_rows(p.num_conversations)
     try:
-        eval_rows = generate_eval_prompts(p.seed, p.num_eval_prompts)
+        eval_rows = make_eval(p.num_eval_prompts)
     except ValueError as exc:
         raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
     tokenizer = build_tokenizer(rows, p.tokenizer_vocab_size)
@@ -79,8 +95,14 @@ def main() -> None:
     # The verifier learns the rules from the generator's stream of conversations, which begins
     # with chat_data and goes on with fresh ones, so that it generalises instead of memorising.
     # None of them contains a held-out prompt.
-    model, train_report = train_verifier(p, tokenizer, iter_conversations(p.seed))
+    model, train_report = train_verifier(p, tokenizer, stream)
     eval_report = evaluate(model, tokenizer, eval_rows)
+    log.info(
+        "demo: held-out answers, teacher-forced: loss %.3f nats/token, top-1 %.1f%% of %d tokens",
+        eval_report["held_out_loss"],
+        100 * eval_report["held_out_top1"],
+        eval_report["held_out_tokens"],
+    )
     log.info(
         "demo: held-out prompts answered exactly right: %.1f%% of %d; by family: %s",
         100 * eval_report["exact_match"],

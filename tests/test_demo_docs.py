@@ -1,0 +1,127 @@
+"""The quality benchmark's natural-text corpus (lib/demo_docs.py): prose only, held-out documents
+never in training, the same bytes from run to run, errors that name the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.demo_docs import DocsCorpus, is_prose, read_documents, split_opening
+
+PACKAGES = ["networkx"]  # installed by the lock; about a second to read
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return DocsCorpus(0, PACKAGES)
+
+
+def test_prose_filter():
+    text = (
+        "Return the shortest path between two nodes of a graph, measured by the number of "
+        "edges on it, or by the sum of their weights when a weight attribute is named here."
+    )
+    assert is_prose(text)
+    assert not is_prose("Parameters ---------- G : graph A NetworkX graph whose edges are read.")
+    assert not is_prose(text[:100])  # too short
+    assert not is_prose(">>> G = nx.path_graph(4) " + text)
+    assert not is_prose("x = [1, 2, 3] + [4, 5, 6] * 7 / 8 - (9 ** 10) % 11 " * 4)
+
+
+def test_opening_and_rest_make_the_paragraph():
+    import random
+
+    paragraph = "The first sentence ends here. The second one goes on. A third closes it."
+    opening, rest = split_opening(paragraph, random.Random(0))
+    assert (opening, rest) == (
+        "The first sentence ends here.",
+        "The second one goes on. A third closes it.",
+    )
+    single = "one long sentence without any full stop that goes on and on for many words"
+    opening, rest = split_opening(single, random.Random(0))
+    assert f"{opening} {rest}" == single and opening and len(rest.split()) >= 4
+
+
+def test_held_out_documents_never_reach_training(corpus):
+    rows = corpus.generate_conversations(300)
+    train_text = "\n".join(m["content"] for r in rows for m in r["messages"])
+    held_out = {p for d in corpus.held_out for p in d.paragraphs}
+    assert held_out and not any(p in train_text for p in held_out)
+    for row in corpus.generate_eval_prompts(20):
+        assert [m["role"] for m in row["messages"]] == ["system", "user"]
+        assert row["reference"] and row["reference"] not in train_text
+    # every paragraph is used once in the whole corpus
+    paragraphs = [p for d in corpus.train + corpus.held_out for p in d.paragraphs]
+    assert len(paragraphs) == len(set(paragraphs))
+
+
+def test_conversations_alternate_and_answer_from_the_text(corpus):
+    for row in corpus.generate_conversations(50):
+        roles = [m["role"] for m in row["messages"]]
+        assert roles[0] == "system" and roles[1::2] == ["user"] * (len(roles) // 2)
+        assert roles[2::2] == ["assistant"] * (len(roles) // 2)
+        assert all(m["content"].strip() for m in row["messages"])
+
+
+def test_same_seed_same_bytes_other_seed_other_order(corpus):
+    again = DocsCorpus(0, PACKAGES)
+    dump = json.dumps(corpus.generate_conversations(100))
+    assert dump == json.dumps(again.generate_conversations(100))
+    assert json.dumps(corpus.generate_eval_prompts(10)) == json.dumps(
+        again.generate_eval_prompts(10)
+    )
+    assert dump != json.dumps(DocsCorpus(1, PACKAGES).generate_conversations(100))
+
+
+def test_the_stream_goes_on_past_one_pass(corpus):
+    n = len(corpus.train) + 5
+    rows = corpus.generate_conversations(n)
+    assert len(rows) == n and len({r["id"] for r in rows}) == n
+
+
+def test_errors_name_the_key():
+    with pytest.raises(UserError, match="demo.corpus_packages.*not_a_package_here"):
+        read_documents(["not_a_package_here"])
+    with pytest.raises(ValueError, match="held-out documents"):
+        DocsCorpus(0, PACKAGES).generate_eval_prompts(10**6)
+
+
+def test_demo_stage_builds_a_docs_verifier_and_data(tmp_path):
+    """The real demo script with corpus package_docs, small: data from the corpus, a verifier
+    that loads, its report with the held-out loss."""
+    from tests.conftest import run_demo
+
+    build = run_demo(
+        tmp_path,
+        corpus="package_docs",
+        corpus_packages=PACKAGES,
+        num_conversations=30,
+        num_eval_prompts=4,
+        tokenizer_vocab_size=400,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        train_steps=2,
+        train_batch_size_samples=4,
+    )
+    rows = [json.loads(x) for x in Path(build["chat_data"]).read_text().splitlines()]
+    assert rows == DocsCorpus(0, PACKAGES).generate_conversations(30)
+    report = json.loads((Path(build["verifier"]) / "demo_report.json").read_text())
+    assert report["eval"]["held_out_tokens"] > 0 and report["eval"]["held_out_loss"] > 0
+
+
+def test_quality_config_plans_every_stage(tmp_path):
+    import yaml
+
+    from tests.workflow_runner import copy_workflow, planned
+
+    config = yaml.safe_load((ROOT / "config.quality.yaml").read_text())
+    work = copy_workflow(tmp_path / "work", config)
+    plan = planned(work, "evaluate")
+    assert {"demo", "prepare", "extract", "vocab", "train", "evaluate_draft"} <= set(plan), plan
