@@ -11,10 +11,11 @@ would change the config: the workflow reruns exactly what a variant changes (a t
 train and evaluate; the draft vocabulary: vocab, train, evaluate; a storage dtype: extract too;
 regeneration: everything after the demo), and reuses the rest (the verifier, the data, the
 shards). They run in the order of VARIANTS, the most telling first. Each variant's evaluation
-and training metrics are kept under <workdir>/bench/<variant>/, and a variant done before is not run again (delete its directory to
-redo it), so an interrupted benchmark goes on where it stopped. The baseline is trained with three
-seeds: the spread of their acceptance lengths is the run-to-run noise each effect is set against
-(and so is the largest training-only effect, to tell it from that noise).
+and training metrics are kept under <workdir>/bench/<variant>/, and a variant done before is not
+run again (delete its directory to redo it), so an interrupted benchmark goes on where it stopped.
+The baseline is trained with three seeds: the spread of their acceptance lengths is the
+run-to-run noise each effect is set against (and so is the largest training-only effect, to tell
+it from that noise).
 
 Prints a Markdown table (also written to <workdir>/bench/table.md): mean acceptance length [95%
 interval], the change against the baseline's seed 0, acceptance per position, training's
@@ -85,10 +86,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         {"train": {"norm_output": True, "seed": 2}},
     ),
 }
-# variants trained with train.seed 0, 1, 2: their spread is the run-to-run noise
+# the variants run with train.seed 0, 1, 2 (<name>, <name>_seed1, <name>_seed2): the spread of
+# each group is the run-to-run noise
 SEEDS = {
-    "baseline": ("baseline", "baseline_seed1", "baseline_seed2"),
-    "norm_output": ("norm_output", "norm_output_seed1", "norm_output_seed2"),
+    name: (name, f"{name}_seed1", f"{name}_seed2")
+    for name in VARIANTS
+    if f"{name}_seed1" in VARIANTS
 }
 
 
