@@ -27,6 +27,20 @@ EVERY_BAD_ROW = [
     (b'{"messages": [{"role": "user", "content": null}]}', "malformed"),
     (b'{"messages": [{"role": "user", "content": 7}]}', "malformed"),
     (b'{"conversations": "x"}', "malformed"),
+    # a tool call without a function name; arguments that are not a JSON object
+    (b'{"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}', "malformed"),
+    (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": '
+        b'[{"function": {"name": "f", "arguments": "{not json"}}]}]}',
+        "malformed",
+    ),
+    (b'{"messages": [{"role": "user", "content": "q"}], "tools": "not a list"}', "malformed"),
+    # reasoning both in a field and inline
+    (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", '
+        b'"reasoning_content": "r", "content": "<think>r</think>a"}]}',
+        "malformed",
+    ),
     (b'{"messages": []}', "empty_conversation"),
     (b'{"messages": [{"role": "robot", "content": "beep"}]}', "unknown_role"),
     (b'{"messages": [{"role": 5, "content": "beep"}]}', "unknown_role"),

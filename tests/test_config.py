@@ -147,8 +147,10 @@ def test_every_setting_says_whether_it_changes_the_result(stage):
     assert set(params.JOB_LAYOUT) <= set(params.EXECUTION)
     schema = json_schema()["$defs"][params.__name__]["properties"]
     assert {name: prop["effect"] for name, prop in schema.items()} == {
-        name: params.effect(name) for name in params.model_fields
+        name: params.effect(name) for name in params.model_fields if name not in params.SHARED
     }
+    for name in params.SHARED:  # set once at the top level, a result setting of each stage
+        assert name in json_schema()["properties"] and params.effect(name) == "result"
     settings = params().result_settings()
     assert set(settings) == {n for n in params.model_fields if params.effect(n) == "result"}
 

@@ -1,7 +1,8 @@
 """The embedded default: generated data, tokenizer and chat template, verifier directory.
 
-Fast tests build a small demo through the real script. Tests marked ``slow`` use the full-size
-build of ``demo_build`` (conftest.py): held-out accuracy, and vLLM agreeing with transformers.
+Fast tests build a small demo through the real script. The test marked ``slow`` uses the
+full-size build of ``demo_build`` (conftest.py): held-out accuracy (vLLM's agreement with
+transformers on the same verifier is in tests/test_vllm_cpu.py).
 Fast only: ``pytest tests/test_demo.py -m "not slow"``.
 """
 
@@ -12,8 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 from tests.conftest import ROOT, run_demo
 from workflow_scripts.lib import demo_data
 from workflow_scripts.lib import demo_verifier as demo
-from workflow_scripts.lib.chat import prompt_ids, tokenize_conversation
+from workflow_scripts.lib.chat.dataset import tokenize_conversation
 
 SMALL = dict(
     num_conversations=40,
@@ -285,82 +284,3 @@ def test_trained_verifier_answers_held_out_prompts(demo_build):
     # answers of 20-80 tokens, as the speculative decoding stages expect
     lengths = sorted(len(tok(r["reference"], add_special_tokens=False)["input_ids"]) for r in evals)
     assert 15 <= lengths[len(lengths) // 2] <= 80, lengths
-
-
-VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys
-
-    def main():
-        from transformers import AutoTokenizer
-        from vllm import LLM, SamplingParams
-
-        verifier, prompts_path, out_path = sys.argv[1:4]
-        rows = [json.loads(line) for line in open(prompts_path)]
-        # On CPU, gpu_memory_utilization is a share of the node's memory for the whole worker,
-        # its own footprint included; a small share does not cover it, so the KV cache size is
-        # given explicitly.
-        llm = LLM(model=verifier, dtype="float32", gpu_memory_utilization=0.05,
-                  kv_cache_memory_bytes=256 << 20, max_model_len=1024, seed=0)
-        params = SamplingParams(temperature=0.0, max_tokens=96)
-        tok = AutoTokenizer.from_pretrained(verifier)
-        prompts = [
-            {"prompt_token_ids": tok(tok.apply_chat_template(
-                r["messages"], tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False)["input_ids"]}
-            for r in rows
-        ]
-        by_ids = [o.outputs[0] for o in llm.generate(prompts, params)]
-        by_chat = [o.outputs[0] for o in llm.chat([r["messages"] for r in rows], params)]
-        json.dump({"token_ids": [list(o.token_ids) for o in by_ids],
-                   "text": [o.text for o in by_ids],
-                   "chat_text": [o.text for o in by_chat]}, open(out_path, "w"))
-
-    if __name__ == "__main__":
-        main()
-    """)
-
-
-@pytest.mark.engine
-@pytest.mark.slow
-def test_vllm_greedy_agrees_with_transformers(demo_build, tmp_path):
-    """vLLM loads the verifier and its tokenizer, applies the chat template itself, and generates
-    greedily the same tokens as transformers: the held-out answers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    evals = read_jsonl(demo_build["eval_prompts"])[:12]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in evals))
-    script = tmp_path / "vllm_check.py"
-    script.write_text(VLLM_SCRIPT)
-    out = tmp_path / "vllm.json"
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(script), str(demo_build["verifier"]), str(prompts), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
-
-    tok = AutoTokenizer.from_pretrained(demo_build["verifier"])
-    model = AutoModelForCausalLM.from_pretrained(demo_build["verifier"]).eval()
-    stops = {tok.convert_tokens_to_ids(t) for t in ("<|eot_id|>", "<|end_of_text|>")}
-    for row, vllm_ids, vllm_text, chat_text in zip(
-        evals, got["token_ids"], got["text"], got["chat_text"]
-    ):
-        ids = prompt_ids(tok, row["messages"])
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=96,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
-        hf_ids = out[0, len(ids) :].tolist()
-        assert [t for t in vllm_ids if t not in stops] == [t for t in hf_ids if t not in stops], row
-        assert chat_text == vllm_text, row  # vLLM's own chat templating gives the same prompt
-    right = sum(t.strip() == r["reference"] for t, r in zip(got["text"], evals))
-    assert right >= 0.9 * len(evals), (right, got["text"])
-    print(f"vLLM check took {time.monotonic() - started:.0f}s")

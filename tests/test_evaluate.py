@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts.lib.chat import prompt_ids
+from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.evaluation import load_prompts
 
@@ -21,10 +21,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
+    """The chat template (ChatML, refusing one message) as evaluate serves it."""
     chatml = build_chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
-    return AutoTokenizer.from_pretrained(
-        refusing_tokenizer(tmp_path_factory.mktemp("refusing"), chatml)
-    )
+    path = refusing_tokenizer(tmp_path_factory.mktemp("refusing"), chatml)
+    return ChatTemplate(AutoTokenizer.from_pretrained(path), verifier_dir=path)
 
 
 def write(path: Path, lines: list[bytes]) -> Path:
@@ -41,7 +41,7 @@ def test_prompts_from_both_row_kinds(tokenizer, tmp_path):
     ]
     prompts = load_prompts(write(tmp_path / "p.jsonl", rows), tokenizer, None)
     assert [p["id"] for p in prompts] == ["a", "line3", "line4"]
-    assert prompts[0]["prompt_token_ids"] == prompt_ids(tokenizer, QUESTION)
+    assert prompts[0]["prompt_token_ids"] == tokenizer.prompt_ids(QUESTION)
     assert prompts[0]["prompt_token_ids"] == prompts[1]["prompt_token_ids"]
     assert len(load_prompts(tmp_path / "p.jsonl", tokenizer, 2)) == 2
 
@@ -57,3 +57,27 @@ def test_every_bad_prompt_is_named_with_file_and_line(tokenizer, tmp_path, raw):
     path = write(tmp_path / "p.jsonl", [json.dumps({"messages": QUESTION}).encode(), raw])
     with pytest.raises(UserError, match=rf"{re.escape(str(path))}:2: not a usable prompt: "):
         load_prompts(path, tokenizer, None)
+
+
+def test_prompts_carry_tools_earlier_turns_and_tool_results(tmp_path):
+    """A prompt row may hold earlier turns, tool calls, a tool result last, and a tools list: the
+    prompt is the template's render of all of it with the generation prompt, with the
+    serving-time arguments (here a date the template prints)."""
+    from tests.chat_families import FAMILIES, build_tokenizer
+
+    path = build_tokenizer(FAMILIES["gpt_oss"], tmp_path / "gpt_oss")
+    template = ChatTemplate(AutoTokenizer.from_pretrained(path), {}, "2025-03-04", path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    row = {
+        "tools": tools,
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+        ],
+    }
+    prompts = load_prompts(write(tmp_path / "p.jsonl", [json.dumps(row).encode()]), template, None)
+    text = template.decode(prompts[0]["prompt_token_ids"])
+    assert "get_weather" in text and '"sunny"' in text and "2025-03-04" in text
+    assert text.endswith("<|start|>assistant")

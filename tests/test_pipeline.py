@@ -1,35 +1,25 @@
-"""The whole workflow on the embedded default, end to end with real vLLM: regeneration,
-extraction, training, evaluation and the report; then what a dry-run plans after real edits of
-a built workflow."""
+"""The whole workflow end to end with real vLLM: the full-size embedded default's evaluation
+(quality, greedy losslessness, tensor-parallel workers), and on the mechanics build (every stage,
+regeneration on) the report, float8 shards, and what a dry-run on the command line plans after
+real edits. tests/test_reruns.py checks every setting and module the same way, in-process."""
 
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.workflow_runner import planned, snakemake, write_config
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
 
-@pytest.fixture(scope="module")
-def pipeline(built_default):
-    """The session's copy of the workflow, the embedded default built to the `evaluate` target
-    (regeneration on)."""
-    return built_default
-
-
-def test_evaluation_results(pipeline):
-    work, _ = pipeline
+def test_evaluation_results(full_build):
+    work, _ = full_build
     results = json.loads((work / "results" / "evaluate" / "results.json").read_text())
     eagle, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
     assert results["num_prompts"] == 48 and results["num_speculative_tokens"] == 3
@@ -54,15 +44,16 @@ def test_evaluation_results(pipeline):
     assert results["summary"]["eagle3_simulated_acceptance_length"] == (
         simulated["mean_acceptance_length"]
     )
-    # speculation is lossless at temperature 0: identical outputs, or the mismatch is listed
-    assert results["greedy_lossless"] == (not any(results["greedy_mismatches"].values()))
+    # speculation is lossless at temperature 0: identical outputs (a mismatch would be listed)
+    assert results["greedy_lossless"], results["greedy_mismatches"]
+    assert not any(results["greedy_mismatches"].values())
     for name in ("acceptance_per_position", "draft_vs_ngram", "training_curves"):
         png = work / "results" / "evaluate" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
-def test_report(pipeline, tmp_path):
-    work, _ = pipeline
+def test_report(mechanics_build, tmp_path):
+    work, _ = mechanics_build
     report = work / "report.zip"
     snakemake(work, "evaluate", "--report", str(report))
     import zipfile
@@ -77,38 +68,40 @@ def test_report(pipeline, tmp_path):
         assert any(n.endswith(expected) for n in names), (expected, names)
 
 
-def test_nothing_is_redone(pipeline):
-    work, _ = pipeline
+@pytest.mark.parametrize("build", ["full_build", "mechanics_build"])
+def test_nothing_is_redone(build, request):
+    work, _ = request.getfixturevalue(build)
     assert planned(work, "evaluate") == {}
 
 
 def with_config(work: Path, config: dict, **changes) -> dict:
-    new = {**config, **changes}
+    """``config`` with each section of ``changes`` merged over its own, written to the work dir."""
+    new = {**config, **{k: {**config.get(k, {}), **v} for k, v in changes.items()}}
     write_config(work, new)
     return new
 
 
-def test_training_change_reruns_training_only(pipeline):
-    work, config = pipeline
+def test_training_change_reruns_training_only(mechanics_build):
+    work, config = mechanics_build
     try:
-        with_config(work, config, train={"epochs": 2})
+        with_config(work, config, train={"epochs": 3})
         assert planned(work, "evaluate") == {"train": 1, "evaluate_draft": 1, "resolved_config": 1}
         assert planned(work, "draft_ckpt") == {"train": 1}
     finally:
         write_config(work, config)
 
 
-def test_vocab_change_reruns_vocab_and_training_not_extraction(pipeline):
-    work, config = pipeline
+def test_vocab_change_reruns_vocab_and_training_not_extraction(mechanics_build):
+    work, config = mechanics_build
     try:
-        with_config(work, config, vocab={"draft_vocab_size": 256})
+        with_config(work, config, vocab={"draft_vocab_size": 128})
         assert planned(work, "draft_ckpt") == {"vocab": 1, "train": 1}
     finally:
         write_config(work, config)
 
 
-def test_extraction_change_reruns_extraction_and_training(pipeline):
-    work, config = pipeline
+def test_extraction_change_reruns_extraction_and_training(mechanics_build):
+    work, config = mechanics_build
     try:
         with_config(work, config, extract={"aux_layer_ids": [1, 3, 5]})
         assert planned(work, "draft_ckpt") == {"extract": 1, "extract_merge": 1, "train": 1}
@@ -116,8 +109,8 @@ def test_extraction_change_reruns_extraction_and_training(pipeline):
         write_config(work, config)
 
 
-def test_training_code_change_reruns_training(pipeline):
-    work, _ = pipeline
+def test_training_code_change_reruns_training(mechanics_build):
+    work, _ = mechanics_build
     path = work / "workflow_scripts" / "lib" / "draft_model.py"
     original = path.read_text()
     path.write_text(original + "\n# edited\n")
@@ -127,43 +120,70 @@ def test_training_code_change_reruns_training(pipeline):
         path.write_text(original)
 
 
-def test_evaluation_with_tensor_parallel_workers(pipeline, tmp_path):
+def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     """evaluate.tensor_parallel_size 2 on the CPU (two workers, each bound to a core by the
-    stage): the evaluation script on the built draft, 8 prompts; its outputs go to tmp_path."""
-    work, config = pipeline
+    stage's engine code): the full-size default's draft served by the evaluation's own engine
+    runner, 4 prompts. Greedy, the outputs are the verifier's own (transformers), and the draft
+    is accepted as on one worker. One engine: the stage's other two (no draft, n-gram) are the
+    same code with another speculative config, and a TP-2 start is the cost here (about 45 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workflow_scripts.lib import engine, verifier
+    from workflow_scripts.lib.evaluation import load_prompts, run_in_child
+
+    work, config = full_build
     shipped = yaml.safe_load((work / "config.yaml").read_text())
-    evaluate = {**shipped["evaluate"], "tensor_parallel_size": 2, "max_prompts": 8}
-    params = load_config({**shipped, **config, "evaluate": evaluate}).evaluate
+    evaluate = {**shipped["evaluate"], "tensor_parallel_size": 2}
+    p = load_config({**shipped, **config, "evaluate": evaluate}).evaluate
     results = work / "results"
-    files = {
-        "verifier": results / "demo" / "verifier",
-        "draft": results / "train" / "draft",
-        "eval_prompts": results / "demo" / "eval_prompts.jsonl",
-        "metrics": results / "train" / "metrics.jsonl",
-        "results": tmp_path / "results.json",
-        "plot_dir": tmp_path / "plots",
-    }
-    args = shlex.split(cli.render("evaluate", params, files))
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.stages.evaluate", *args],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    verifier_dir = results / "demo" / "verifier"
+    prompts = load_prompts(
+        results / "demo" / "eval_prompts.jsonl", verifier.load_tokenizer(verifier_dir), 4
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads(files["results"].read_text())
-    assert out["num_prompts"] == 8 and out["greedy_lossless"], out["summary"]
-    assert out["runs"]["eagle3"]["mean_acceptance_length"] >= 2.5, out["summary"]
+    spec = {
+        "method": "eagle3",
+        "model": str(results / "train" / "draft"),
+        "num_speculative_tokens": 3,
+    }
+    job = {
+        "engine": {
+            **engine.engine_args(p, verifier_dir, "float32", disable_log_stats=False),
+            "speculative_config": spec,
+        },
+        "prompts": prompts,
+        "runs": [("greedy", 0.0)],
+        "max_new_tokens": p.max_new_tokens,
+        "seed": 0,
+        "use_gpus": False,
+    }
+    run = run_in_child(job, tmp_path, "eagle3_tp2")["greedy"]
+    evaluated = json.loads((results / "evaluate" / "results.json").read_text())
+    assert run["mean_acceptance_length"] >= 2.5, run
+    assert (
+        abs(run["mean_acceptance_length"] - evaluated["runs"]["eagle3"]["mean_acceptance_length"])
+        < 0.5
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir).eval()
+    stops = set(model.generation_config.eos_token_id)
+    for prompt, got in zip(prompts, run["outputs"]):
+        ids = prompt["prompt_token_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=p.max_new_tokens, do_sample=False
+            )
+        expected = out[0, len(ids) :].tolist()
+        assert [t for t in got if t not in stops] == [t for t in expected if t not in stops]
 
 
-def test_float8_storage_builds_to_a_draft(pipeline, tmp_path):
-    """extract.storage_dtype float8_e4m3fn, on a copy of the built default (training shortened):
-    the shards take about a quarter of float32's bytes, training reads them, a draft results."""
-    work, config = pipeline
+def test_float8_storage_builds_to_a_draft(mechanics_build, tmp_path):
+    """extract.storage_dtype float8_e4m3fn, on a copy of the mechanics build: the shards take about
+    a quarter of float32's bytes, training reads them, a draft results."""
+    work, config = mechanics_build
     copy = tmp_path / "wf"
     shutil.copytree(work, copy, symlinks=True)
-    with_config(copy, config, extract={"storage_dtype": "float8_e4m3fn"}, train={"epochs": 2})
+    with_config(copy, config, extract={"storage_dtype": "float8_e4m3fn"})
     assert planned(copy, "draft_ckpt") == {"extract": 1, "extract_merge": 1, "train": 1}
     snakemake(copy, "--cores", "2", "draft_ckpt")
     manifest = json.loads((copy / "results/extract/manifest.json").read_text())
@@ -175,3 +195,50 @@ def test_float8_storage_builds_to_a_draft(pipeline, tmp_path):
     assert 0 < disk["final_rows"] < manifest["num_tokens"] and disk["final_rows_saved_bytes"] > 0
     assert (copy / "results/train/draft/model.safetensors").is_file()
     assert planned(copy, "draft_ckpt") == {}
+
+
+def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):
+    """The mechanics build's data: conversations with reasoning and tool calls, under a
+    Qwen3-style template that rewrites history. Regeneration answered the turns before each
+    first tool call and kept the rest; prepare trained the regenerated turns on exactly the ids
+    the verifier was served and sampled, and the others as the template renders them, reasoning
+    and tool calls supervised, a row per rewritten history; vLLM served the draft trained on it."""
+    from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
+    from workflow_scripts.lib.chat.template import load_template
+    from workflow_scripts.lib.definitions import PrepareParams
+
+    work, config = mechanics_build
+    results = work / "results"
+    regenerated = [json.loads(x) for x in (results / "regenerate/chat_data.jsonl").open()]
+    with_tools = [r for r in regenerated if r.get("tools")]
+    assert with_tools and len(with_tools) < len(regenerated)
+    for row in regenerated:
+        for msg in row["messages"]:
+            if msg["role"] == "assistant" and "regenerated_ids" in msg:
+                assert msg["regenerated_ids"]["prompt"] and msg["regenerated_ids"]["generated"]
+    kept = [m for r in with_tools for m in r["messages"] if m.get("tool_calls")]
+    assert kept and not any(
+        "regenerated_ids" in m for m in kept
+    )  # tool chains as the data has them
+
+    stats = json.loads((results / "prepare/stats.json").read_text())
+    assert stats["dropped"] == {} and stats["conversations_out"] == len(regenerated), stats
+    kinds = stats["supervised_tokens_by_kind"]
+    assert kinds["reasoning"] > 0 and kinds["tool_call"] > 0 and kinds["stop"] > 0, kinds
+    assert stats["rows_out"] > stats["conversations_out"] and stats["extracted_over_unique"] > 1
+
+    template = load_template(results / "demo/verifier", PrepareParams().chat_template)
+    tokenized = [json.loads(x) for x in (results / "prepare/tokenized_data.jsonl").open()]
+    by_line: dict[int, list] = {}
+    for row in tokenized:
+        by_line.setdefault(row["source_line"], []).append(row)
+    for line_no, row in enumerate(regenerated[:20], start=1):
+        rows, _ = tokenize_rows(template, read_conversation(row), 384)
+        assert [r.input_ids[:384] for r in rows] == [r["input_ids"] for r in by_line[line_no]]
+        for i, msg in enumerate(row["messages"]):  # a regenerated turn: the ids as sampled
+            if "regenerated_ids" in msg:
+                ids = msg["regenerated_ids"]["prompt"] + msg["regenerated_ids"]["generated"]
+                assert any(r["input_ids"][: len(ids)] == ids[:384] for r in by_line[line_no])
+
+    evaluated = json.loads((results / "evaluate/results.json").read_text())
+    assert evaluated["runs"]["eagle3"]["num_drafts"] > 0

@@ -16,12 +16,9 @@ from transformers import AutoTokenizer
 from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib import cli
-from workflow_scripts.lib.chat import (
-    BadRow,
-    normalize,
-    tokenize_chat_file,
-    tokenize_conversation,
-)
+from workflow_scripts.lib.chat.dataset import tokenize_chat_file, tokenize_conversation
+from workflow_scripts.lib.chat.rows import BadRow, normalize
+from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import Progress, UserError
 from workflow_scripts.lib.definitions import PrepareParams
 
@@ -63,7 +60,10 @@ def check_mask_matches_template_spans(tokenizer, messages, end_of_turn):
     """Each masked run decodes to exactly one assistant reply plus the end-of-turn token, in
     order; nothing else (headers, roles, user text, the newline after the turn) is masked."""
     sample = tokenize_conversation(tokenizer, messages, max_len=10_000)
-    assert sample.input_ids == template_ids(tokenizer, messages)
+    # the template's tokens, up to the stop token that ends the last turn (not what follows it)
+    rendered = template_ids(tokenizer, messages)
+    assert sample.input_ids == rendered[: len(sample.input_ids)]
+    assert tokenizer.decode(rendered[len(sample.input_ids) :]).strip() == ""
     runs = masked_runs(sample.input_ids, sample.loss_mask)
     replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
     assert [tokenizer.decode(r) for r in runs] == [r + end_of_turn for r in replies]
@@ -86,7 +86,8 @@ def test_demo_template_mask(demo_build):
     check_mask_matches_template_spans(tokenizer, CONVERSATION, "<|eot_id|>")
     with open(demo_build["chat_data"]) as fh:
         for line, _ in zip(fh, range(50)):
-            check_mask_matches_template_spans(tokenizer, normalize(json.loads(line)), "<|eot_id|>")
+            messages = normalize(json.loads(line)).messages
+            check_mask_matches_template_spans(tokenizer, messages, "<|eot_id|>")
 
 
 def test_sharegpt_and_messages_are_the_same():
@@ -266,4 +267,70 @@ def test_every_kind_of_bad_row_is_named_and_counted(tmp_path, chatml_dir):
         one = tmp_path / f"one{i}.jsonl"
         one.write_bytes(good + b"\n" + raw + b"\n")
         with pytest.raises(UserError, match=rf"{re.escape(str(one))}:2: .*on_bad_row: skip"):
-            tokenize_chat_file(one, tokenizer, 512, "fail", io.StringIO(), Progress("t", None))
+            template = ChatTemplate(tokenizer, verifier_dir=verifier)
+            tokenize_chat_file(one, template, 512, "fail", io.StringIO(), Progress("t", None))
+
+
+def test_rows_as_users_bring_them_reach_the_template_under_its_names():
+    """Reasoning under any of its names or inline, tool calls with arguments as an object or a
+    JSON string, tool results of role tool/ipython/function, a tools list: one form."""
+    row = {
+        "id": "r1",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [
+            {"role": "user", "content": "q", "extra_field": 1},
+            {"role": "assistant", "thinking": "r0", "content": "a0"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "<think>\nr1\n</think>\n\na1"},
+            {"role": "user", "content": "q3"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning": "r2",
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"x": 1}'},
+                    }
+                ],
+            },
+            {"role": "ipython", "content": "out", "tool_call_id": "c", "name": "f"},
+        ],
+    }
+    conv = normalize(row)
+    assert conv.tools == row["tools"] and conv.row_id == "r1"
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"] * 3 + ["tool"]
+    assert conv.messages[0] == {"role": "user", "content": "q"}  # unknown fields ignored
+    assert [conv.messages[i].get("reasoning") for i in (1, 3, 5)] == ["r0", "r1", "r2"]
+    assert conv.messages[3]["content"] == "a1" and conv.messages[5]["content"] == ""
+    call = conv.messages[5]["tool_calls"][0]
+    assert call == {"id": "c", "name": "f", "arguments": {"x": 1}, "arguments_text": '{"x": 1}'}
+    assert conv.messages[6] == {"role": "tool", "content": "out", "tool_call_id": "c", "name": "f"}
+
+
+def test_a_data_set_whose_masks_come_out_empty_stops_naming_the_template(tmp_path, chatml_dir):
+    """Reasoning that the template renders nowhere: each row is a bad row of its own reason
+    (counted under skip), and when none is left the stage stops naming the template."""
+    row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "reasoning_content": "because", "content": "a"},
+        ]
+    }
+    data = write_jsonl(tmp_path / "chat.jsonl", [row, row])
+    proc, _ = run_prepare(tmp_path, chatml_dir, data, on_bad_row="skip")
+    assert proc.returncode == 2, proc.stderr
+    assert "reasoning_not_rendered" in proc.stderr or "renders none" in proc.stderr
+    assert f"no supervised token came out of the chat template of {chatml_dir}" in proc.stderr
+    proc, _ = run_prepare(tmp_path, chatml_dir, data, on_bad_row="fail")
+    assert proc.returncode == 2 and f"{data}:1: message 1 has reasoning" in proc.stderr
+
+
+def test_an_assistant_turn_with_nothing_in_it_is_a_bad_row(chatml_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chatml_dir)
+    with pytest.raises(BadRow) as err:
+        tokenize_conversation(
+            tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}], 99
+        )
+    assert err.value.reason == "empty_turn"

@@ -23,7 +23,9 @@ from tests.conftest import ROOT
 from tests.processes import kill_when
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib import cli, regeneration
-from workflow_scripts.lib.chat import BadRow, end_of_turn_ids, tokenize_conversation
+from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
+from workflow_scripts.lib.chat.rows import BadRow
+from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.config import load_config
 from workflow_scripts.lib.definitions import RegenerateParams
@@ -40,6 +42,13 @@ def A(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"id": "c0", "name": "f", "arguments": {}}],
+}
+RESULT = {"role": "tool", "content": "42", "tool_call_id": "c0"}
+
 # --------------------------------------------------------------------------- where answers go
 
 
@@ -55,6 +64,12 @@ def A(text: str) -> dict:
         ([U("a"), U("b"), A("x")], [U("a"), U("b"), None]),
         # an assistant message that follows no user turn is left out
         ([A("hello"), U("a"), A("x"), A("more")], [U("a"), None]),
+        # from the first tool call on, the conversation is kept as it is
+        (
+            [U("a"), A("x"), U("b"), CALL, RESULT, A("y")],
+            [U("a"), None, U("b"), CALL, RESULT, A("y")],
+        ),
+        ([S, U("b"), CALL, RESULT, A("y")], [S, U("b"), CALL, RESULT, A("y")]),
     ],
 )
 def test_answer_plan(messages, expected):
@@ -119,9 +134,9 @@ def chatml_verifier(tmp_path_factory):
     return path
 
 
-def test_end_of_turn_ids_of_chatml(chatml_verifier):
+def test_stop_tokens_of_chatml(chatml_verifier):
     tok = AutoTokenizer.from_pretrained(chatml_verifier)
-    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert ChatTemplate(tok).stop_ids == [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
 def args_for(verifier: Path, chat: Path, out: Path, job_index: int = 0, **overrides) -> list[str]:
@@ -364,20 +379,22 @@ def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
     assert [r["id"] for r in got] == [r["id"] for r in src]
     tok = AutoTokenizer.from_pretrained(demo_build["verifier"])
     model = AutoModelForCausalLM.from_pretrained(demo_build["verifier"]).eval()
-    stops = end_of_turn_ids(tok)
+    template = ChatTemplate(tok, verifier_dir=demo_build["verifier"])
+    stops = template.stop_ids
     for s, g in zip(src, got):
         # system and user messages as they were, an assistant answer where there was one
         assert [m["role"] for m in g["messages"]] == [m["role"] for m in s["messages"]]
         assert [m for m in g["messages"] if m["role"] != "assistant"] == [
             m for m in s["messages"] if m["role"] != "assistant"
         ]
+        text_only = [{k: m[k] for k in ("role", "content")} for m in g["messages"]]
         assert g["regenerate"]["turns"] == sum(m["role"] == "assistant" for m in s["messages"])
         # each answer is the verifier's greedy continuation of the conversation so far (its own
         # earlier answers included), as transformers computes it
         for i, m in enumerate(g["messages"]):
             if m["role"] != "assistant":
                 continue
-            ids = tok.apply_chat_template(g["messages"][:i], add_generation_prompt=True)
+            ids = tok.apply_chat_template(text_only[:i], add_generation_prompt=True)
             ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
             import torch
 
@@ -393,8 +410,12 @@ def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
                 [t for t in hf[0, len(ids) :].tolist() if t not in stops], skip_special_tokens=True
             )
             assert m["content"] == text.strip(), (g["id"], i)
+            # and the ids it was served and sampled, as they were: what prepare trains on
+            assert m["regenerated_ids"]["prompt"] == ids, (g["id"], i)
+            assert m["regenerated_ids"]["generated"] == hf[0, len(ids) :].tolist(), (g["id"], i)
         # prepare reads the output like any chat data, with assistant tokens to learn
-        assert sum(tokenize_conversation(tok, g["messages"], 512).loss_mask) > 0
+        rows, _ = tokenize_rows(template, read_conversation(g), 512)
+        assert len(rows) == 1 and sum(rows[0].loss_mask) > 0
     stats = json.loads((out / "stats.json").read_text())
     assert stats["rows_in"] == stats["rows_out"] == 24
     assert stats["turns"] == sum(r["regenerate"]["turns"] for r in got)
@@ -553,7 +574,7 @@ def test_every_kind_of_bad_row_is_named_and_counted_before_the_model_loads(
     (tmp_path / "verifier" / "config.json").write_bytes(
         (chatml_verifier / "config.json").read_bytes()
     )
-    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    tokenizer = ChatTemplate(AutoTokenizer.from_pretrained(verifier), verifier_dir=verifier)
     good = json.dumps({"messages": [U("q"), A("a")]}).encode()
     # a row with no user turn is bad here too; a lone question is not (it gets an answer)
     rows = EVERY_BAD_ROW + [(json.dumps({"messages": [S, A("hi")]}).encode(), "no_user_turn")]

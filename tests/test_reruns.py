@@ -1,5 +1,5 @@
-"""What reruns, on the built embedded default (every stage, regeneration on), generated from the
-typed definitions and from the code itself, not from hand-written lists:
+"""What reruns, on the mechanics build (conftest.py: every stage, regeneration on), generated from
+the typed definitions and from the code itself, not from hand-written lists:
 
 * every setting of every stage, changed to another valid value: the dry-run plans that stage and
   everything after it for a result setting, nothing for an execution setting;
@@ -116,13 +116,13 @@ SETTINGS = [
     for stage, spec in STAGES.items()
     if spec.params is not None
     for name in spec.params.model_fields
-    if name not in spec.params.JOB_LAYOUT
+    if name not in spec.params.JOB_LAYOUT and name not in spec.params.SHARED
 ]
 
 
 @pytest.fixture(scope="module")
-def built(built_default):
-    work, config = built_default
+def built(mechanics_build):
+    work, config = mechanics_build
     assert planned(work, TARGET) == {}
     assert planned_in_process(work, TARGET, config) == {}
     return work, config, downstream(work)
@@ -146,6 +146,19 @@ def test_a_changed_setting_plans_exactly_what_it_affects(built, stage, name):
         pytest.skip(NO_OTHER_VALUE[(stage, name)])
     plan = set(planned_in_process(work, TARGET, changed))
     assert plan == expected_plan(stage, name, graph), (changed[stage], plan)
+
+
+def test_the_shared_chat_template_setting_plans_every_stage_that_renders_chats(built):
+    """chat_template (set once, at the top level) is a result setting of regenerate, prepare
+    and evaluate: changing it plans each of them and everything after them."""
+    work, config, graph = built
+    sharing = [
+        s for s, spec in STAGES.items() if spec.params and "chat_template" in spec.params.SHARED
+    ]
+    assert sorted(sharing) == ["evaluate", "prepare", "regenerate"]
+    changed = {**config, "chat_template": {"kwargs": {"enable_thinking": False}}}
+    plan = set(planned_in_process(work, TARGET, changed))
+    assert plan == set().union(*(graph[rule_of(s)] for s in sharing)) | {RECORD}, plan
 
 
 RULES_RUN = re.compile(r"^\s*(?:local)?(?:rule|checkpoint) (\w+):", flags=re.M)

@@ -1,5 +1,9 @@
 """Only stale stages rerun: Snakemake's own dry-run on a built workflow, after real edits. And the
-checks that need only the config and the verifier's files fail the dry-run, naming the key."""
+checks that need only the config and the verifier's files fail the dry-run, naming the key.
+
+The dry-runs run in this process (Snakemake's API, a tenth of a second each); the command line
+is run where what the user sees is the point: a bad key named, no traceback.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,13 @@ import pytest
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from tests.workflow_runner import copy_workflow, planned, snakemake, write_config
+from tests.workflow_runner import (
+    copy_workflow,
+    dry_run_in_process,
+    planned_in_process,
+    snakemake,
+    write_config,
+)
 
 pytestmark = pytest.mark.workflow
 
@@ -69,35 +79,29 @@ def edit(path: Path, old: str, new: str) -> str:
 
 
 def test_no_change_plans_nothing(built):
-    work, _ = built
-    assert planned(work, "vocab_map") == {}
+    work, config = built
+    assert planned_in_process(work, "vocab_map", config) == {}
 
 
 def test_vocab_size_change_plans_vocab_not_prepare(built):
     work, config = built
-    write_config(work, {**config, "vocab": {"draft_vocab_size": 32}})
-    try:
-        assert planned(work, "vocab_map") == {"vocab": 1}
-    finally:
-        write_config(work, config)
+    changed = {**config, "vocab": {"draft_vocab_size": 32}}
+    assert planned_in_process(work, "vocab_map", changed) == {"vocab": 1}
 
 
 def test_prepare_change_plans_prepare_and_downstream(built):
     work, config = built
-    write_config(work, {**config, "prepare": {"max_seq_len_tokens": 100}})
-    try:
-        assert planned(work, "vocab_map") == {"prepare": 1, "vocab": 1}
-    finally:
-        write_config(work, config)
+    changed = {**config, "prepare": {"max_seq_len_tokens": 100}}
+    assert planned_in_process(work, "vocab_map", changed) == {"prepare": 1, "vocab": 1}
 
 
 def test_data_change_plans_everything(built):
-    work, _ = built
+    work, config = built
     data = work / "chat.jsonl"
     original = data.read_text()
     data.write_text(original + json.dumps(CHAT[0]) + "\n")
     try:
-        assert planned(work, "vocab_map") == {"prepare": 1, "vocab": 1}
+        assert planned_in_process(work, "vocab_map", config) == {"prepare": 1, "vocab": 1}
     finally:
         data.write_text(original)
 
@@ -107,11 +111,11 @@ def test_data_change_plans_everything(built):
     [("stages/vocab.py", {"vocab": 1}), ("stages/prepare.py", {"prepare": 1, "vocab": 1})],
 )
 def test_code_change_reruns_that_stage(built, script, expected):
-    work, _ = built
+    work, config = built
     path = work / "workflow_scripts" / script
     original = edit(path, '"""', '"""Edited. ')
     try:
-        assert planned(work, "vocab_map") == expected
+        assert planned_in_process(work, "vocab_map", config) == expected
     finally:
         path.write_text(original)
 
@@ -131,18 +135,15 @@ def test_regenerate_switch_plans_regenerate_then_prepare(built):
     """Switching regenerate on puts it before prepare; while it is off, its settings rerun
     nothing."""
     work, config = built
-    write_config(work, {**config, "regenerate": {"enabled": True, "use_gpus": False}})
-    try:
-        assert planned(work, "vocab_map") == {
-            "regenerate": 1,
-            "regenerate_merge": 1,
-            "prepare": 1,
-            "vocab": 1,
-        }
-        write_config(work, {**config, "regenerate": {"enabled": False, "temperature": 0.7}})
-        assert planned(work, "vocab_map") == {}
-    finally:
-        write_config(work, config)
+    switched_on = {**config, "regenerate": {"enabled": True, "use_gpus": False}}
+    assert planned_in_process(work, "vocab_map", switched_on) == {
+        "regenerate": 1,
+        "regenerate_merge": 1,
+        "prepare": 1,
+        "vocab": 1,
+    }
+    off = {**config, "regenerate": {"enabled": False, "temperature": 0.7}}
+    assert planned_in_process(work, "vocab_map", off) == {}
 
 
 # --------------------------------------------------------------------------- checks at dry-run
@@ -183,33 +184,47 @@ DRY_RUN_ERRORS = {
 }
 
 
-def dry_run(work: Path, config: dict):
-    """`snakemake -n draft_ckpt` with ``config``: (the process, its seconds)."""
-    write_config(work, config)
-    start = time.monotonic()
-    proc = snakemake(work, "-n", "draft_ckpt", check=False)
-    return proc, time.monotonic() - start
+def dry_run(work: Path, config: dict) -> tuple[bool, str]:
+    """`snakemake -n draft_ckpt` with ``config``, in this process: (whether it passed, the error
+    and everything it wrote)."""
+    error, out = dry_run_in_process(work, "draft_ckpt", config)
+    return error is None, f"{error or ''}\n{out}"
+
+
+def with_changes(config: dict, changes: dict) -> dict:
+    return {
+        **config,
+        **{k: {**config.get(k, {}), **v} if isinstance(v, dict) else v for k, v in changes.items()},
+    }
 
 
 @pytest.mark.parametrize("case", list(DRY_RUN_ERRORS))
 def test_dry_run_checks_the_config_against_the_verifier(built, case):
-    """Each mistake fails `snakemake -n` on a built workflow (prepare has run), naming the key;
+    """Each mistake fails the dry-run of a built workflow (prepare has run), naming the key;
     before, it surfaced only when the extraction job started."""
     work, config = built
     changes, expected = DRY_RUN_ERRORS[case]
-    merged = {
-        **config,
-        **{k: {**config.get(k, {}), **v} if isinstance(v, dict) else v for k, v in changes.items()},
-    }
+    passed, out = dry_run(work, with_changes(config, changes))
+    assert not passed, out[-3000:]
+    assert re.search(expected, out), out[-3000:]
+
+
+def test_the_command_line_names_the_key_in_seconds_without_a_traceback(built):
+    """What the user sees of one such mistake: `snakemake -n` exits non-zero with the message and
+    no traceback, in seconds."""
+    work, config = built
+    changes, expected = DRY_RUN_ERRORS["aux ids past the layers"]
+    write_config(work, with_changes(config, changes))
+    start = time.monotonic()
     try:
-        proc, seconds = dry_run(work, merged)
+        proc = snakemake(work, "-n", "draft_ckpt", check=False)
     finally:
         write_config(work, config)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert re.search(expected, out), out[-3000:]
     assert "Traceback" not in out
-    print(f"{case}: the dry-run failed in {seconds:.1f} s")
+    print(f"the dry-run failed in {time.monotonic() - start:.1f} s")
 
 
 def test_dry_run_checks_the_chat_template(built, tmp_path):
@@ -221,11 +236,8 @@ def test_dry_run_checks_the_chat_template(built, tmp_path):
     tok_config.pop("chat_template", None)
     config_file.write_text(json.dumps(tok_config))
     (plain / "chat_template.jinja").unlink(missing_ok=True)
-    try:
-        proc, _ = dry_run(work, {**config, "verifier": plain.name})
-    finally:
-        write_config(work, config)
-    assert proc.returncode != 0 and "has no chat template" in proc.stdout + proc.stderr
+    passed, out = dry_run(work, {**config, "verifier": plain.name})
+    assert not passed and "has no chat template" in out, out[-3000:]
 
 
 def test_dry_run_checks_the_dtype_on_this_cpu(built):
@@ -234,31 +246,23 @@ def test_dry_run_checks_the_dtype_on_this_cpu(built):
     from workflow_scripts.lib.preflight import cpu_runs
 
     work, config = built
-    try:
-        proc, _ = dry_run(work, {**config, "extract": {"use_gpus": False, "dtype": "bfloat16"}})
-    finally:
-        write_config(work, config)
-    out = proc.stdout + proc.stderr
+    passed, out = dry_run(work, {**config, "extract": {"use_gpus": False, "dtype": "bfloat16"}})
     if cpu_runs("bfloat16"):
-        assert proc.returncode == 0, out[-3000:]
+        assert passed, out[-3000:]
     else:
-        assert proc.returncode != 0 and "set extract.dtype: float32" in out, out[-3000:]
+        assert not passed and "set extract.dtype: float32" in out, out[-3000:]
 
 
 def test_dry_run_warns_of_what_is_allowed_but_unlikely_meant(built):
     work, config = built
-    try:
-        proc, _ = dry_run(
-            work,
-            {
-                **config,
-                "vocab": {"draft_vocab_size": 100000},
-                "evaluate": {"num_speculative_tokens": 5},
-            },
-        )
-    finally:
-        write_config(work, config)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    passed, out = dry_run(
+        work,
+        {
+            **config,
+            "vocab": {"draft_vocab_size": 100000},
+            "evaluate": {"num_speculative_tokens": 5},
+        },
+    )
+    assert passed, out[-3000:]
     assert "vocab.draft_vocab_size 100000 exceeds the verifier's vocabulary" in out
     assert "evaluate.num_speculative_tokens 5 is above train.ttt_steps 3" in out

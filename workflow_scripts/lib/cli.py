@@ -36,6 +36,8 @@ def _is_textual(annotation: Any) -> bool:
 
 
 def _encode(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        return json.dumps(value.model_dump(mode="json"), sort_keys=True)
     if isinstance(value, (str, Path)):
         return str(value)
     if isinstance(value, list) and value and isinstance(value[0], Path):

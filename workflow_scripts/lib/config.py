@@ -22,7 +22,12 @@ from pydantic import (
     model_validator,
 )
 
+from workflow_scripts.lib.params_base import ChatTemplateSettings
 from workflow_scripts.lib.registry import STAGES
+
+# settings set once at the top level and shared by the stages whose definitions list them in
+# SHARED (the stages get them through their own section, so each records them)
+SHARED_SETTINGS = {"chat_template": ChatTemplateSettings}
 
 
 class _TopLevel(BaseModel):
@@ -77,6 +82,8 @@ class ConfigError(ValueError):
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = WorkflowConfig
+    if loc and loc[0] in SHARED_SETTINGS:
+        model, loc = SHARED_SETTINGS[loc[0]], loc[1:]
     for part in loc:
         field = model.model_fields.get(str(part))
         if field is None or not (
@@ -89,6 +96,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 def _describe(err: dict[str, Any], source: str) -> str:
     loc = tuple(err["loc"])
+    if len(loc) > 1 and loc[1] in SHARED_SETTINGS:  # a shared setting: named where it is set
+        loc = loc[1:]
     key = ".".join(str(p) for p in loc)
     if err["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
@@ -107,12 +116,35 @@ def _describe(err: dict[str, Any], source: str) -> str:
     return f"{source}: config key '{key}' = {value!r}: {err['msg']}"
 
 
+def _share(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``raw`` with each shared top-level setting copied into the sections of the stages that
+    take it; a ConfigError where a section sets one itself."""
+    raw = dict(raw or {})
+    for key in SHARED_SETTINGS:
+        value = raw.pop(key, None)
+        for spec in STAGES.values():
+            if spec.params is None or key not in spec.params.SHARED:
+                continue
+            section = raw.get(spec.config_key)
+            if isinstance(section, dict) and key in section:
+                raise ConfigError(
+                    f"invalid configuration:\n  {source}: config key '{spec.config_key}.{key}': "
+                    f"set it once, at the top level ('{key}:'), for every stage that uses it"
+                )
+            if value is not None:
+                raw[spec.config_key] = {
+                    **(section if isinstance(section, dict) else {}),
+                    key: value,
+                }
+    return raw
+
+
 def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
     """Validate a config dict (as Snakemake loaded it); raise ConfigError naming every bad key."""
     try:
-        return WorkflowConfig.model_validate(raw or {})
+        return WorkflowConfig.model_validate(_share(raw, source))
     except ValidationError as exc:
-        lines = [_describe(e, source) for e in exc.errors()]
+        lines = list(dict.fromkeys(_describe(e, source) for e in exc.errors()))
         raise ConfigError(
             "invalid configuration:\n  " + "\n  ".join(lines) + "\n(see config.schema.json or "
             "README.md for every key, its type and its default)"
@@ -120,10 +152,15 @@ def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
 
 
 def json_schema() -> dict[str, Any]:
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        **WorkflowConfig.model_json_schema(),
-    }
+    schema = WorkflowConfig.model_json_schema()
+    for key, model in SHARED_SETTINGS.items():  # top-level keys, out of the stages' sections
+        sub = model.model_json_schema()
+        schema["$defs"][model.__name__] = sub
+        schema["properties"][key] = {
+            "$ref": f"#/$defs/{model.__name__}",
+            "description": (model.__doc__ or "").strip().replace("\n    ", " "),
+        }
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from workflow_scripts.lib.params_base import EngineSettings, StageParams
+from workflow_scripts.lib.params_base import (
+    ChatTemplateSettings,
+    EngineSettings,
+    StageParams,
+    chat_template_field,
+)
 
 # --------------------------------------------------------------------------- demo
 
@@ -34,11 +39,13 @@ class DemoParams(StageParams):
     """The embedded default: a chat dataset and a tiny Llama verifier, built offline."""
 
     seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
-    corpus: Literal["rules", "package_docs"] = Field(
+    corpus: Literal["rules", "package_docs", "reasoning_tools"] = Field(
         "rules",
         description="rules: rule-based tasks a tiny verifier learns exactly (quick, but every "
         "answer is predictable); package_docs: natural text, the docstrings of corpus_packages "
-        "(realistic entropy, for measuring draft quality; see config.quality.yaml).",
+        "(realistic entropy, for measuring draft quality; see config.quality.yaml); "
+        "reasoning_tools: the rule-based tasks with reasoning and tool calls, in a Qwen3-style "
+        "chat template that rewrites history (a reasoning and tool-calling verifier).",
     )
     corpus_packages: list[str] = Field(
         ["torch", "vllm", "sympy", "pandas", "networkx", "numpy", "matplotlib", "sqlalchemy"],
@@ -104,7 +111,9 @@ class RegenerateParams(EngineSettings):
         "progress_interval_s": "log lines",
     }
     JOB_LAYOUT = ("num_jobs",)
+    SHARED = ("chat_template",)
 
+    chat_template: ChatTemplateSettings = chat_template_field()
     enabled: bool = Field(
         False,
         description="Replace the assistant turns of chat_data with the verifier's own answers "
@@ -164,7 +173,9 @@ class PrepareParams(StageParams):
     """Chat data -> tokenized_data.jsonl with the verifier's chat template and a loss mask."""
 
     EXECUTION = {"progress_interval_s": "log lines"}
+    SHARED = ("chat_template",)
 
+    chat_template: ChatTemplateSettings = chat_template_field()
     max_seq_len_tokens: int = Field(
         2048, ge=8, description="Conversations longer than this are truncated to this many tokens."
     )
@@ -371,7 +382,9 @@ class EvaluateParams(EngineSettings):
     # evaluate measures throughput, which every engine setting changes: all its settings are
     # result settings
     EXECUTION = {}
+    SHARED = ("chat_template",)
 
+    chat_template: ChatTemplateSettings = chat_template_field()
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     sampled_temperature: float | None = Field(

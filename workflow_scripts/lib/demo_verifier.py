@@ -1,7 +1,8 @@
-"""The embedded default's verifier: a byte-level BPE tokenizer with Llama-3 special tokens and
-chat template, and a small ``LlamaForCausalLM`` trained on the assistant tokens of the generated
-conversations (``demo_data``), checked by greedy generation on the held-out prompts and written
-as a Hugging Face model directory.
+"""The embedded default's verifier: a byte-level BPE tokenizer with the special tokens and chat
+template of a chat format (``demo_formats``: Llama-3 for the embedded default), and a small
+``LlamaForCausalLM`` trained on the assistant tokens of the generated conversations (the rows and
+mask ``prepare`` builds), checked by greedy generation on the held-out prompts and written as a
+Hugging Face model directory.
 
 torch and transformers are imported by the functions that need them.
 """
@@ -9,6 +10,7 @@ torch and transformers are imported by the functions that need them.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import time
@@ -16,7 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from workflow_scripts.lib.chat import prompt_ids
+from workflow_scripts.lib.chat.template import ChatTemplate
+from workflow_scripts.lib.demo_formats import LLAMA3, ChatFormat, format_of
 from workflow_scripts.lib.common import (
     UserError,
     atomic_path,
@@ -27,23 +30,9 @@ from workflow_scripts.lib.demo_data import dumps_jsonl
 
 log = logging.getLogger("eagle3")
 
-BEGIN_OF_TEXT = "<|begin_of_text|>"
-END_OF_TEXT = "<|end_of_text|>"
-START_HEADER = "<|start_header_id|>"
-END_HEADER = "<|end_header_id|>"
-EOT = "<|eot_id|>"
-SPECIAL_TOKENS = [BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT]
-
-CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
-    "+ message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
-)
+# the embedded default's format; demo_formats.py has the others
+SPECIAL_TOKENS = LLAMA3.special_tokens
+CHAT_TEMPLATE = LLAMA3.template
 
 # Llama 3's pre-tokenization: words with one leading non-letter, digits in groups of up to three,
 # runs of punctuation, newlines kept together.
@@ -68,9 +57,10 @@ EVAL_BATCH_PROMPTS = 64
 # --------------------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer(rows: list[dict], vocab_size: int):
+def build_tokenizer(rows: list[dict], vocab_size: int, fmt: ChatFormat = LLAMA3):
     """A byte-level BPE tokenizer trained on the conversations, as a transformers fast
-    tokenizer with Llama-3 special tokens (appended after the learnt vocabulary) and template."""
+    tokenizer with the special tokens of ``fmt`` (appended after the learnt vocabulary) and its
+    template."""
     from tokenizers import (
         Regex,
         Tokenizer,
@@ -92,7 +82,7 @@ def build_tokenizer(rows: list[dict], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(fmt.special_tokens),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -102,31 +92,34 @@ def build_tokenizer(rows: list[dict], vocab_size: int):
         for row in rows:
             for msg in row["messages"]:
                 yield f"{msg['role']}\n\n{msg['content']}"
+                for key in ("reasoning_content", "tool_calls"):  # reasoning_tools rows
+                    if msg.get(key):
+                        yield msg[key] if isinstance(msg[key], str) else json.dumps(msg[key])
+            if row.get("tools"):
+                yield json.dumps(row["tools"])
 
     tok.train_from_iterator(texts(), trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(fmt.special_tokens)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BEGIN_OF_TEXT,
-        eos_token=EOT,
-        pad_token=END_OF_TEXT,
+        bos_token=fmt.bos,
+        eos_token=fmt.eos,
+        pad_token=fmt.pad,
         add_bos_token=False,
         model_max_length=MAX_POSITION_EMBEDDINGS,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = fmt.template
     return fast
 
 
 def save_tokenizer(tokenizer, out_dir: Path) -> None:
     """Saves the tokenizer with its chat template inside tokenizer_config.json (the place every
     loader looks), not in a separate file."""
-    import json
-
     tokenizer.save_pretrained(out_dir)
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["chat_template"] = tokenizer.chat_template
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     jinja = out_dir / "chat_template.jinja"
@@ -137,14 +130,15 @@ def save_tokenizer(tokenizer, out_dir: Path) -> None:
 # --------------------------------------------------------------------------- training data
 
 
-def encode_conversation(tokenizer, row: dict) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a conversation, with the mask ``prepare`` builds."""
-    from workflow_scripts.lib.chat import tokenize_conversation
+def encode_conversation(template: ChatTemplate, row: dict) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of each row of a conversation: the rows and mask ``prepare``
+    builds (one row where the template renders history stably, as the embedded default's)."""
+    from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
 
-    sample = tokenize_conversation(tokenizer, row["messages"], MAX_POSITION_EMBEDDINGS)
-    if sample.truncated:
+    rows, _ = tokenize_rows(template, read_conversation(row), 1 << 30)
+    if max(len(r.input_ids) for r in rows) > MAX_POSITION_EMBEDDINGS:
         raise UserError(f"demo conversation {row['id']} exceeds {MAX_POSITION_EMBEDDINGS} tokens")
-    return sample.input_ids, sample.loss_mask
+    return [(r.input_ids, r.loss_mask) for r in rows]
 
 
 def pack_batch(samples: list[tuple[list[int], list[int]]], pad_id: int):
@@ -189,9 +183,10 @@ def pack_batch(samples: list[tuple[list[int], list[int]]], pad_id: int):
 # --------------------------------------------------------------------------- model
 
 
-def make_config(p, tokenizer):
+def make_config(p, tokenizer, fmt: ChatFormat = LLAMA3):
     from transformers import LlamaConfig
 
+    ids = tokenizer.convert_tokens_to_ids
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=p.hidden_size,
@@ -201,12 +196,9 @@ def make_config(p, tokenizer):
         num_key_value_heads=p.num_key_value_heads,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.convert_tokens_to_ids(BEGIN_OF_TEXT),
-        eos_token_id=[
-            tokenizer.convert_tokens_to_ids(EOT),
-            tokenizer.convert_tokens_to_ids(END_OF_TEXT),
-        ],
-        pad_token_id=tokenizer.convert_tokens_to_ids(END_OF_TEXT),
+        bos_token_id=ids(fmt.bos) if fmt.bos else None,
+        eos_token_id=[ids(t) for t in fmt.stops],
+        pad_token_id=ids(fmt.pad),
         architectures=["LlamaForCausalLM"],
     )
 
@@ -227,7 +219,8 @@ def train_verifier(p, tokenizer, conversations: Iterator[dict]):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(p.seed)
-    model = LlamaForCausalLM(make_config(p, tokenizer)).float()
+    model = LlamaForCausalLM(make_config(p, tokenizer, format_of(tokenizer))).float()
+    template = ChatTemplate(tokenizer)
     model.config.use_cache = False
     model.train()
     n_params = sum(t.numel() for t in model.parameters())
@@ -255,7 +248,9 @@ def train_verifier(p, tokenizer, conversations: Iterator[dict]):
     losses = []
     for step in range(p.train_steps):
         samples = [
-            encode_conversation(tokenizer, row) for row in itertools.islice(conversations, batch)
+            sample
+            for row in itertools.islice(conversations, batch)
+            for sample in encode_conversation(template, row)
         ]
         tokens += sum(len(ids) for ids, _ in samples)
         assistant_tokens += sum(sum(mask) for _, mask in samples)
@@ -327,10 +322,11 @@ def greedy_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: 
     import torch
 
     answers = []
+    template = ChatTemplate(tokenizer)
     pad = tokenizer.pad_token_id
-    stop = [tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(END_OF_TEXT)]
+    stop = tokenizer.convert_tokens_to_ids(format_of(tokenizer).stops)
     for at in range(0, len(prompts), EVAL_BATCH_PROMPTS):
-        encoded = [prompt_ids(tokenizer, m) for m in prompts[at : at + EVAL_BATCH_PROMPTS]]
+        encoded = [template.prompt_ids(m) for m in prompts[at : at + EVAL_BATCH_PROMPTS]]
         width = max(len(ids) for ids in encoded)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
@@ -345,7 +341,8 @@ def greedy_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: 
             )
         for row in out[:, width:].tolist():
             ids = row[: next((i for i, t in enumerate(row) if t in stop), len(row))]
-            answers.append(tokenizer.decode(ids, skip_special_tokens=True).strip())
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            answers.append(text.rpartition("</think>")[2].strip())  # the answer, not its reasoning
     return answers
 
 
@@ -354,15 +351,17 @@ def held_out_loss(model, tokenizer, eval_rows: list[dict]) -> dict:
     held-out references, as answers to their prompts."""
     import torch
 
+    template = ChatTemplate(tokenizer)
     samples = [
-        encode_conversation(
-            tokenizer,
+        sample
+        for r in eval_rows
+        for sample in encode_conversation(
+            template,
             {
                 "id": r["id"],
                 "messages": r["messages"] + [{"role": "assistant", "content": r["reference"]}],
             },
         )
-        for r in eval_rows
     ]
     input_ids, position_ids, weights = pack_batch(samples, tokenizer.pad_token_id)
     with torch.no_grad():
@@ -417,8 +416,6 @@ def evaluate(model, tokenizer, eval_rows: list[dict]) -> dict:
 
 def write_verifier(model, tokenizer, out_dir: Path, report: dict) -> None:
     """Writes the verifier directory under a temporary sibling name, then renames it."""
-    import json
-
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 

@@ -14,13 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from workflow_scripts.lib.chat import (
-    BadRow,
-    normalize,
-    parse_line,
-    prompt_ids,
-    read_lines,
-)
+from workflow_scripts.lib.chat.rows import BadRow, Conversation, normalize, parse_line, read_lines
 from workflow_scripts.lib.common import UserError, write_json
 from workflow_scripts.lib.engine import close_llm, make_llm
 
@@ -29,26 +23,29 @@ CHILD_EXIT_S = 10  # seconds an engine's process gets to exit once it has writte
 BOOTSTRAP_RESAMPLES = 2000
 
 
-def prompt_messages(row) -> list[dict[str, str]]:
-    """A prompt row: ``{"prompt": text}``, or 'messages' / 'conversations' ending in a user turn."""
+def prompt_conversation(row) -> Conversation:
+    """A prompt row: ``{"prompt": text}``, or 'messages' / 'conversations' (earlier turns, tool
+    calls and results, a row-level 'tools' list) ending in a user turn or a tool result."""
     if isinstance(row, dict) and "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise BadRow("malformed", "'prompt' must be a string")
-        return [{"role": "user", "content": row["prompt"]}]
-    messages = normalize(row)
-    if messages[-1]["role"] != "user":
-        raise BadRow("malformed", "the last message must be a user turn")
-    return messages
+        return Conversation(messages=[{"role": "user", "content": row["prompt"]}])
+    conv = normalize(row)
+    if conv.messages[-1]["role"] not in ("user", "tool"):
+        raise BadRow("malformed", "the last message must be a user turn or a tool result")
+    return conv
 
 
-def load_prompts(path: Path, tokenizer, limit: int | None) -> list[dict[str, Any]]:
-    """The prompts, chat template applied; any bad row stops with file, line and what is
-    wrong (the held-out prompts are few and must all be usable)."""
+def load_prompts(path: Path, template, limit: int | None) -> list[dict[str, Any]]:
+    """The prompts as the verifier is served them (``template``: the ChatTemplate with the
+    serving-time arguments); any bad row stops with file, line and what is wrong (the held-out
+    prompts are few and must all be usable)."""
     prompts = []
     for line_no, line in read_lines(path):
         try:
             row = parse_line(line)
-            ids = prompt_ids(tokenizer, prompt_messages(row))
+            conv = prompt_conversation(row)
+            ids = template.prompt_ids(conv.messages, conv.tools)
         except BadRow as exc:
             raise UserError(f"{path}:{line_no}: not a usable prompt: {exc}") from None
         prompts.append({"id": row.get("id", f"line{line_no}"), "prompt_token_ids": ids})

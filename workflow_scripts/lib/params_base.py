@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RESULT, EXECUTION = "result", "execution"
 
 
 def _effects_in_schema(schema: dict[str, Any], cls: type["StageParams"]) -> None:
+    for name in cls.SHARED:  # set once, at the top level of config.yaml
+        schema.get("properties", {}).pop(name, None)
     for name, prop in schema.get("properties", {}).items():
         prop["effect"] = cls.effect(name)
         if name in cls.EXECUTION:
@@ -29,6 +31,8 @@ class StageParams(BaseModel):
     EXECUTION: ClassVar[dict[str, str]] = {}
     # execution settings that change which job files exist (the job rules record them)
     JOB_LAYOUT: ClassVar[tuple[str, ...]] = ()
+    # fields set once at the top level of config.yaml and shared by the stages that have them
+    SHARED: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def effect(cls, name: str) -> str:
@@ -90,4 +94,45 @@ class EngineSettings(StageParams):
         description="Engine dtype (extract: also the shards', with storage_dtype compute); auto "
         "is float32 on the CPU and on GPUs the verifier's own dtype (bfloat16 if that is "
         "float32).",
+    )
+
+
+class ChatTemplateSettings(BaseModel):
+    """The verifier's chat template as it is served: one setting (config key ``chat_template``)
+    for prepare, regenerate and evaluate, so that what is trained is what is served."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kwargs: dict[str, str | int | float | bool | None] = Field(
+        {},
+        description="Keyword arguments the chat template is rendered with, as the verifier is "
+        "served: enable_thinking (Qwen3, GLM), thinking (Kimi-K2.5, DeepSeek-V3.1), "
+        "reasoning_effort (gpt-oss), date_string (Llama 3.1), ... Unknown names are passed on "
+        "(templates ignore what they do not read).",
+    )
+    date: str | None = Field(
+        "2026-01-01",
+        description="The date (YYYY-MM-DD) that templates printing today's date (strftime_now: "
+        "gpt-oss, Llama 3.2, Mistral Small) print, fixed so that the same data gives the same "
+        "tokens on every day; null: the day each stage runs.",
+    )
+
+    @field_validator("date")
+    @classmethod
+    def _iso_date(cls, value: str | None) -> str | None:
+        import datetime
+
+        if value is not None:
+            try:
+                datetime.date.fromisoformat(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a date as YYYY-MM-DD") from None
+        return value
+
+
+def chat_template_field():
+    return Field(
+        default_factory=ChatTemplateSettings,
+        description="Set at the top level of config.yaml (chat_template), for every stage "
+        "that renders chats.",
     )

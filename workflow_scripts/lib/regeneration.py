@@ -3,9 +3,16 @@ turns of the chat data itself.
 
 A draft learns to predict the verifier, and it learns best from text the verifier writes. This
 stage keeps each conversation's system and user messages and has the verifier (real vLLM) answer
-every user turn, turn by turn, with the conversation so far (its own earlier answers included).
-The original assistant messages only mark where an answer goes; one is also written after a
-conversation's last user turn.
+every user turn, turn by turn, with the conversation so far (its own earlier answers included),
+rendered by its chat template as it is served (``chat_template``). The original assistant
+messages only mark where an answer goes; one is also written after a conversation's last user
+turn. Each answer keeps exactly what the verifier did: the ids it was served and the ids it
+sampled (``regenerated_ids`` on the message, which prepare trains on as they are), and its text
+split into reasoning and answer where the template has a reasoning format.
+
+Tool calls: the turns before a conversation's first tool-calling assistant turn are answered;
+from that turn on, the conversation is kept as the data has it (its calls, their results and the
+answers after them), so that no tool result is ever paired with a call it does not answer.
 
 * Before the model loads, one pass over the input finds malformed rows (bad JSON, unknown role,
   no user turn): ``on_bad_row`` fail stops with file:line, skip counts them.
@@ -35,46 +42,48 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from workflow_scripts.lib import engine, verifier
-from workflow_scripts.lib.chat import (
-    BadRow,
-    normalize,
-    parse_line,
-    prompt_ids,
-    render,
-    skip_or_fail,
-)
-from workflow_scripts.lib.common import Progress, UserError, atomic_path, read_json
+from workflow_scripts.lib.chat.rows import BadRow, normalize, parse_line, row_message, skip_or_fail
+from workflow_scripts.lib.chat.template import ChatTemplate
+from workflow_scripts.lib.common import Progress
 
 log = logging.getLogger("eagle3")
 SETTING = "regenerate.on_bad_row"
-FORMAT_VERSION = 1  # bump when the way answers are generated changes: finished batches are redone
+FORMAT_VERSION = 2  # bump when the way answers are generated changes: finished batches are redone
 
 
 # --------------------------------------------------------------------------- conversations
 
 
-def answer_plan(messages: list[dict[str, str]]) -> list[dict[str, str] | None]:
+def answer_plan(messages: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """The conversation to write, as its system and user messages with ``None`` where the
     verifier answers: after each user turn that the original follows with an assistant message,
     and after the last message if it is a user turn. Assistant messages that follow no user
-    turn (a leading greeting, a second one in a row) are left out."""
-    plan: list[dict[str, str] | None] = []
-    for msg in messages:
+    turn (a leading greeting, a second one in a row) are left out. From the first assistant turn
+    with tool calls on, every message is kept as it is, and none is answered."""
+    plan: list[dict[str, Any] | None] = []
+    for i, msg in enumerate(messages):
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            if not any(m is not None and m["role"] == "user" for m in plan):
+                break
+            return plan + messages[i:]  # kept as it is from here (answered or not before)
         if msg["role"] == "assistant":
             if plan and plan[-1] is not None and plan[-1]["role"] == "user":
                 plan.append(None)
         else:
             plan.append(msg)
-    if plan and plan[-1] is not None and plan[-1]["role"] == "user":
-        plan.append(None)
+    else:
+        if plan and plan[-1] is not None and plan[-1]["role"] == "user":
+            plan.append(None)
     if None not in plan:
         raise BadRow("no_user_turn", "the conversation has no user turn to answer")
     return plan
 
 
-def read_row(line: bytes) -> tuple[Any, list[dict[str, str] | None]]:
+def read_row(line: bytes) -> tuple[Any, Any, list[dict[str, Any] | None]]:
+    """(the parsed row, its Conversation, its answer plan)."""
     row = parse_line(line)
-    return row, answer_plan(normalize(row))
+    conv = normalize(row)
+    return row, conv, answer_plan(conv.messages)
 
 
 @dataclass
@@ -89,8 +98,8 @@ class Index:
     sha256: str = ""
 
 
-def index_input(path: Path, p, tokenizer=None) -> Index:
-    """One streaming pass: every row parsed and checked, and with ``tokenizer`` its first prompt
+def index_input(path: Path, p, template: ChatTemplate | None = None) -> Index:
+    """One streaming pass: every row parsed and checked, and with ``template`` its first prompt
     measured against the engine's max length; only offsets are kept (flat memory)."""
     index = Index()
     digest = hashlib.sha256()
@@ -104,9 +113,9 @@ def index_input(path: Path, p, tokenizer=None) -> Index:
                 continue
             index.rows_in += 1
             try:
-                _, plan = read_row(line)
-                if tokenizer is not None:
-                    check_first_prompt(tokenizer, plan, p.max_model_len_tokens)
+                _, conv, plan = read_row(line)
+                if template is not None:
+                    check_first_prompt(template, plan, conv.tools, p.max_model_len_tokens)
             except BadRow as bad:
                 skip_or_fail(index.bad, bad, f"{path}:{line_no}", p.on_bad_row, SETTING)
                 continue
@@ -125,13 +134,16 @@ def too_long(n_tokens: int, max_len: int) -> BadRow:
     )
 
 
-def check_first_prompt(tokenizer, plan: list[dict[str, str] | None], max_len: int) -> None:
+def check_first_prompt(
+    template: ChatTemplate, plan: list[dict[str, Any] | None], tools, max_len: int
+) -> None:
     """The first prompt fits the engine, and the chat template takes the whole conversation
     (with a stand-in for each answer), so that no row fails once the model has loaded."""
-    n = len(prompt_ids(tokenizer, plan[: plan.index(None)]))
-    if n >= max_len:
-        raise too_long(n, max_len)
-    render(tokenizer, [m or {"role": "assistant", "content": "answer"} for m in plan])
+    if None in plan:  # else it is kept as the data has it: nothing is generated
+        n = len(template.prompt_ids(plan[: plan.index(None)], tools))
+        if n >= max_len:
+            raise too_long(n, max_len)
+    template.render([m or {"role": "assistant", "content": "answer"} for m in plan], tools)
 
 
 @dataclass
@@ -140,14 +152,16 @@ class Conversation:
 
     row_id: Any
     line_no: int
-    plan: list[dict[str, str] | None]
-    messages: list[dict[str, str]] = field(default_factory=list)
+    plan: list[dict[str, Any] | None]
+    tools: list[Any] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
     answered: int = 0
     length_limited_turns: list[int] = field(default_factory=list)
     context_full: bool = False
     bad: BadRow | None = None
+    served: tuple[str, list[int]] | None = None  # the prompt of the turn being answered
 
-    def next_prompt(self) -> list[dict[str, str]] | None:
+    def next_prompt(self) -> list[dict[str, Any]] | None:
         """Copies the plan's messages up to the next answer; the messages to answer, or None
         when the conversation is complete."""
         while self.plan:
@@ -174,20 +188,22 @@ def turn_seed(seed: int, line_no: int, turn: int) -> int:
 
 
 def answer_batch(
-    llm, tokenizer, p, convs: list[Conversation], stops: list[int], progress: Progress | None = None
+    llm, template: ChatTemplate, p, convs: list[Conversation], progress: Progress | None = None
 ) -> Counter:
     """Answers every conversation of the batch, one engine call per turn round; returns token
     counts (each round's generated tokens also go to ``progress``). Conversations whose first
     prompt does not fit get ``bad`` set."""
     from vllm import SamplingParams
 
+    stops = template.stop_ids
     counts: Counter = Counter()
     active = [(c, c.next_prompt()) for c in convs]
     active = [(c, m) for c, m in active if m is not None]
     while active:
         prompts, params, waiting = [], [], []
         for conv, messages in active:
-            ids = prompt_ids(tokenizer, messages)
+            text = template.render(messages, conv.tools, generation_prompt=True)
+            ids = template.encode(text)
             room = p.max_model_len_tokens - len(ids)
             if room < 1:
                 if conv.answered == 0:  # found before the model loads; kept as a safeguard
@@ -196,6 +212,7 @@ def answer_batch(
                     conv.finish()
                 continue
             prompts.append({"prompt_token_ids": ids})
+            conv.served = (text, ids)
             params.append(
                 SamplingParams(
                     temperature=p.temperature,
@@ -213,15 +230,22 @@ def answer_batch(
             progress.update(0, sum(len(o.outputs[0].token_ids) for o in outputs))
         for conv, out in zip(waiting, outputs):
             gen = out.outputs[0]
-            token_ids = [t for t in gen.token_ids if t not in stops]
-            text = tokenizer.decode(token_ids, skip_special_tokens=True).strip()
-            conv.messages.append({"role": "assistant", "content": text})
+            sampled = list(gen.token_ids)
+            body = sampled[:-1] if sampled and sampled[-1] in stops else sampled
+            text, ids = conv.served
+            reasoning, answer = template.split_reasoning(text, template.decode(body))
+            msg: dict[str, Any] = {"role": "assistant", "content": answer}
+            if reasoning is not None:
+                msg["reasoning"] = reasoning
+            msg["regenerated_ids"] = {"prompt": ids, "generated": sampled}
+            conv.messages.append(msg)
             if gen.finish_reason == "length":
                 conv.length_limited_turns.append(conv.answered)
             conv.answered += 1
             counts["generated_tokens"] += len(gen.token_ids)
             counts["turns"] += 1
-            counts["empty_answers"] += not text
+            counts["reasoning_turns"] += bool(reasoning)
+            counts["empty_answers"] += not (answer or reasoning)
         active = [(c, c.next_prompt()) for c in waiting]
         active = [(c, m) for c, m in active if m is not None]
     return counts
@@ -245,7 +269,8 @@ def batch_result(p, convs: list[Conversation], counts: Counter, where: Path) -> 
         rows.append(
             {
                 "id": conv.row_id,
-                "messages": conv.messages,
+                "messages": [row_message(m) for m in conv.messages],
+                **({"tools": conv.tools} if conv.tools else {}),
                 "regenerate": {
                     "source_line": conv.line_no,
                     "turns": conv.answered,
@@ -270,6 +295,7 @@ def fingerprint(io, p, index: Index, dtype: str) -> str:
         "input_sha256": index.sha256,
         "verifier": verifier.fingerprint(io.verifier),
         "dtype": dtype,
+        "chat_template": p.chat_template.model_dump(mode="json"),
         **p.model_dump(
             include={
                 "temperature",
@@ -331,9 +357,10 @@ def read_conversations(path: Path, index: Index, indices: range) -> Iterator[Con
     with open(path, "rb") as fh:
         for i in indices:
             fh.seek(index.offsets[i])
-            row, plan = read_row(fh.readline())
+            row, conv, plan = read_row(fh.readline())
             line_no = index.line_nos[i]
-            yield Conversation(row_id=row.get("id", f"line{line_no}"), line_no=line_no, plan=plan)
+            row_id = row.get("id", f"line{line_no}")
+            yield Conversation(row_id=row_id, line_no=line_no, plan=plan, tools=conv.tools)
 
 
 # --------------------------------------------------------------------------- engine
@@ -351,72 +378,3 @@ def make_engine(io, p, dtype: str):
         disable_log_stats=True,
     )
     return engine.make_llm(kwargs, use_gpus=p.use_gpus)
-
-
-# --------------------------------------------------------------------------- merge
-
-RERUN_HINT = "rerun the jobs with: snakemake --forcerun regenerate <target>"
-SHARED = ("fingerprint", "chat_data", "verifier", "num_jobs", "num_batches", "rows_in", "bad_rows")
-
-
-def check_parts(parts: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
-    if not parts:
-        raise UserError("no regenerate parts to merge")
-    first_path, first = parts[0]
-    for path, part in parts[1:]:
-        differ = [k for k in SHARED if part.get(k) != first.get(k)]
-        if differ:
-            raise UserError(
-                f"{path} and {first_path} disagree on {', '.join(differ)}: they come from "
-                f"different runs; {RERUN_HINT}"
-            )
-    if first["num_jobs"] != len(parts):
-        raise UserError(f"{len(parts)} parts for num_jobs {first['num_jobs']}; {RERUN_HINT}")
-    owners = Counter(b for _, part in parts for b in part["batches"])
-    if sorted(owners) != list(range(first["num_batches"])) or any(n != 1 for n in owners.values()):
-        raise UserError(f"the parts do not cover batches 0..{first['num_batches'] - 1} once each")
-    return first
-
-
-def merge(io) -> dict[str, Any]:
-    """Writes the regenerated chat data (``io.regenerated``) in input order; returns the stats."""
-    parts = [(path, read_json(path)) for path in io.parts]
-    first = check_parts(parts)
-    stats: Counter = Counter()
-    bad: Counter = Counter(first["bad_rows"])
-    with atomic_path(io.regenerated) as tmp, open(tmp, "w", encoding="utf-8") as out:
-        for b in range(first["num_batches"]):
-            path = batch_path(io.work_dir, b)
-            batch = load_batch(path, first["fingerprint"])
-            if batch is None:
-                raise UserError(f"{path}: missing, cut short or from another run; {RERUN_HINT}")
-            for row in batch["rows"]:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            stats.update(batch["stats"])
-            bad.update(batch["bad"])
-        if stats["rows_out"] == 0:
-            raise UserError(
-                f"{first['chat_data']}: no conversation left after regeneration among "
-                f"{first['rows_in']} rows (bad rows: {dict(bad) or 'none'}, dropped at the length "
-                f"limit: {stats['dropped_length_limited']})"
-            )
-    return {
-        "chat_data": first["chat_data"],
-        "verifier": first["verifier"],
-        "rows_in": first["rows_in"],
-        "rows_out": stats["rows_out"],
-        "bad_rows": dict(sorted(bad.items())),
-        "turns": stats["turns"],
-        "empty_answers": stats["empty_answers"],
-        "length_limited_turns": stats["length_limited_turns"],
-        "length_limited_conversations": stats["length_limited_conversations"],
-        "dropped_length_limited": stats["dropped_length_limited"],
-        "context_full_conversations": stats["context_full_conversations"],
-        "prompt_tokens": stats["prompt_tokens"],
-        "generated_tokens": stats["generated_tokens"],
-        "batches": first["num_batches"],
-        "batches_reused": sum(part["batches_reused"] for _, part in parts),
-        "jobs": first["num_jobs"],
-        "job_seconds": [part["seconds"] for _, part in parts],
-        "params": first["params"],
-    }

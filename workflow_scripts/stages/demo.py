@@ -4,8 +4,12 @@
    answer under ``reference``) from ``demo.corpus``: ``rules``, rule-based multi-turn tasks whose
    answers a tiny model learns exactly (``lib/demo_data.py``, the embedded default); or
    ``package_docs``, natural text from the docstrings of installed packages, held-out prompts
-   from module files never used in training (``lib/demo_docs.py``, ``config.quality.yaml``).
-2. Trains a byte-level BPE tokenizer on the data with Llama-3 special tokens and chat template.
+   from module files never used in training (``lib/demo_docs.py``, ``config.quality.yaml``); or
+   ``reasoning_tools``, the rule-based tasks with reasoning and tool calls
+   (``lib/demo_agentic.py``).
+2. Trains a byte-level BPE tokenizer on the data with the special tokens and chat template of
+   the corpus' chat format (``lib/demo_formats.py``: Llama-3, or Qwen3-style for
+   ``reasoning_tools``).
 3. Trains a small ``LlamaForCausalLM`` on the assistant tokens (the same mask that ``prepare``
    builds), with conversations packed into rows, and checks it on the held-out prompts:
    teacher-forced loss and top-1 on the references, and exact greedy answers (logged and
@@ -31,12 +35,14 @@ import time
 
 from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import UserError, format_seconds, run_main
-from workflow_scripts.lib.demo_docs import DocsCorpus
+from workflow_scripts.lib import demo_agentic
 from workflow_scripts.lib.demo_data import (
     generate_conversations,
     generate_eval_prompts,
     iter_conversations,
 )
+from workflow_scripts.lib.demo_docs import DocsCorpus
+from workflow_scripts.lib.demo_formats import FORMATS
 from workflow_scripts.lib.demo_verifier import (
     build_tokenizer,
     evaluate,
@@ -76,6 +82,10 @@ def main() -> None:
         log.info("demo: package documentation of %s: %s", p.corpus_packages, corpus.summary())
         make_rows, make_eval = corpus.generate_conversations, corpus.generate_eval_prompts
         stream = corpus.iter_conversations()
+    elif p.corpus == "reasoning_tools":
+        make_rows = functools.partial(demo_agentic.generate_conversations, p.seed)
+        make_eval = functools.partial(generate_eval_prompts, p.seed)
+        stream = demo_agentic.iter_conversations(p.seed)
     else:
         make_rows = functools.partial(generate_conversations, p.seed)
         make_eval = functools.partial(generate_eval_prompts, p.seed)
@@ -85,7 +95,7 @@ def main() -> None:
         eval_rows = make_eval(p.num_eval_prompts)
     except ValueError as exc:
         raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
-    tokenizer = build_tokenizer(rows, p.tokenizer_vocab_size)
+    tokenizer = build_tokenizer(rows, p.tokenizer_vocab_size, FORMATS[p.corpus])
     log.info(
         "demo: generated the data and a tokenizer of %d tokens in %.1fs",
         len(tokenizer),

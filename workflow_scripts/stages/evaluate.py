@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from workflow_scripts.lib import cli, engine, preflight, verifier
+from workflow_scripts.lib.chat.template import load_template
 from workflow_scripts.lib.common import (
     UserError,
     atomic_path,
@@ -40,8 +41,9 @@ def main() -> None:
     draft_cfg = read_json(io.draft / "config.json")
     if draft_cfg.get("speculators_model_type") != "eagle3":
         raise UserError(f"{io.draft}/config.json is not an EAGLE-3 speculators checkpoint")
-    tokenizer = verifier.load_tokenizer(io.verifier)
-    prompts = load_prompts(io.eval_prompts, tokenizer, p.max_prompts)
+    prompts = load_prompts(
+        io.eval_prompts, load_template(io.verifier, p.chat_template), p.max_prompts
+    )
     log.info("evaluate: %d prompts from %s", len(prompts), io.eval_prompts)
 
     dtype = preflight.check_engine(p, "evaluate", verifier.verifier_config(io.verifier))

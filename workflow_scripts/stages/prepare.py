@@ -1,8 +1,10 @@
-"""prepare: chat data (JSONL) -> tokenized_data.jsonl with an assistant-only loss mask.
+"""prepare: chat data (JSONL) -> tokenized_data.jsonl: every assistant turn supervised exactly
+as the verifier generates it, with the chat template as it is served (``chat_template``).
 
-Streams its input line by line (``chat.tokenize_chat_file``); writes one JSON object per kept
-conversation: ``{"id", "input_ids", "loss_mask"}``, and a stats file (rows in/out, tokens, drops
-by reason).
+Streams its input line by line (``chat.dataset.tokenize_chat_file``); writes one JSON object per
+row, ``{"id", "input_ids", "loss_mask", "source_line"}`` (a conversation takes more than one row
+where its template rewrites history), and a stats file (conversations and rows in and out,
+supervised tokens by kind, extracted against unique tokens, drops by reason).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import json
 import logging
 
 from workflow_scripts.lib import cli
-from workflow_scripts.lib.chat import tokenize_chat_file
+from workflow_scripts.lib.chat.dataset import tokenize_chat_file
+from workflow_scripts.lib.chat.template import load_template
 from workflow_scripts.lib.common import (
     Progress,
     UserError,
@@ -19,7 +22,6 @@ from workflow_scripts.lib.common import (
     run_main,
     write_json,
 )
-from workflow_scripts.lib.verifier import load_tokenizer
 
 log = logging.getLogger("eagle3")
 
@@ -28,18 +30,25 @@ def main() -> None:
     io, p = cli.parse("prepare")
     if not io.chat_data.is_file():
         raise UserError(f"chat data '{io.chat_data}' does not exist (config key 'chat_data')")
-    tokenizer = load_tokenizer(io.verifier)
-    log.info("prepare: %s with the chat template of %s", io.chat_data, io.verifier)
+    template = load_template(io.verifier, p.chat_template)
+    log.info(
+        "prepare: %s with the chat template of %s, arguments %s, date %s",
+        io.chat_data,
+        io.verifier,
+        json.dumps(p.chat_template.kwargs),
+        p.chat_template.date,
+    )
 
     progress = Progress("prepare", total=None, interval_s=p.progress_interval_s)
     with atomic_path(io.tokenized) as tmp, open(tmp, "w", encoding="utf-8") as out:
         counts = tokenize_chat_file(
-            io.chat_data, tokenizer, p.max_seq_len_tokens, p.on_bad_row, out, progress
+            io.chat_data, template, p.max_seq_len_tokens, p.on_bad_row, out, progress
         )
         if counts["rows_out"] == 0:
             raise UserError(
                 f"{io.chat_data}: no usable conversation among {counts['rows_in']} rows "
-                f"(dropped: {counts['dropped'] or 'none'})"
+                f"(dropped: {counts['dropped'] or 'none'}): no supervised token came out of the "
+                f"chat template of {io.verifier} with chat_template {p.chat_template.model_dump()}"
             )
     progress.log()
     stats = {
@@ -47,6 +56,7 @@ def main() -> None:
         "verifier": str(io.verifier),
         **{k: v for k, v in counts.items() if k != "dropped"},
         "max_seq_len_tokens": p.max_seq_len_tokens,
+        "chat_template": p.chat_template.model_dump(),
         "dropped": counts["dropped"],
     }
     write_json(io.stats, stats)

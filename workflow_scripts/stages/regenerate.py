@@ -12,7 +12,7 @@ import logging
 import time
 
 from workflow_scripts.lib import cli, engine, preflight, verifier
-from workflow_scripts.lib.chat import end_of_turn_ids
+from workflow_scripts.lib.chat.template import load_template
 from workflow_scripts.lib.common import (
     Progress,
     UserError,
@@ -42,11 +42,11 @@ def main() -> None:
     cfg = verifier.verifier_config(io.verifier)
     verifier.weight_files(io.verifier)
     dtype = preflight.check_engine(p, "regenerate", cfg)
-    tokenizer = verifier.load_tokenizer(io.verifier)
-    stops = end_of_turn_ids(tokenizer)
+    template = load_template(io.verifier, p.chat_template)
+    stops = template.stop_ids
 
     log.info("regenerate: checking %s before the model loads", io.chat_data)
-    index = index_input(io.chat_data, p, tokenizer)
+    index = index_input(io.chat_data, p, template)
     usable = len(index.offsets)
     if usable == 0:
         raise UserError(
@@ -81,7 +81,7 @@ def main() -> None:
         for b in todo:
             rows = range(b * B, min(usable, (b + 1) * B))
             convs = list(read_conversations(io.chat_data, index, rows))
-            counts = answer_batch(llm, tokenizer, p, convs, stops, progress)
+            counts = answer_batch(llm, template, p, convs, progress)
             result = batch_result(p, convs, counts, io.chat_data)
             with atomic_path(batch_path(io.work_dir, b)) as tmp:
                 tmp.write_text(json.dumps({"fingerprint": expected, **result}, ensure_ascii=False))

@@ -1,6 +1,6 @@
 """regenerate_merge: the regenerate jobs' batches -> one chat dataset, in input order, and stats.
 
-``regeneration.merge`` checks that the parts come from one run (same fingerprint, batch count and
+``regeneration_merge.merge`` checks that the parts come from one run (same fingerprint, batch count and
 job count), that every batch is some job's exactly once, and that every batch file is there
 with that fingerprint. The batch files stay where they are: they are what this step reads, and a
 restarted regenerate job reuses them.
@@ -13,7 +13,7 @@ import logging
 
 from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import run_main, write_json
-from workflow_scripts.lib.regeneration import merge
+from workflow_scripts.lib.regeneration_merge import merge
 
 log = logging.getLogger("eagle3")
 
