@@ -71,7 +71,7 @@ def run_case(case: dict) -> dict:
 
     from workflow_scripts.lib import draft_model
     from workflow_scripts.lib.draft_model import DraftConfig, Eagle3Draft, TeacherHead
-    from workflow_scripts.lib.draft_model import llama_layer_config
+    from workflow_scripts.lib.draft_layer_config import llama_layer_config
 
     torch.manual_seed(0)
     device, n, steps, shape = case["device"], case["tokens"], case["steps"], case["shape"]

@@ -29,6 +29,14 @@ try:
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
+# Every GPU job's GPUs against --resources gpu=N and gpus_per_node, now: Snakemake would cap a job
+# silently, and the job would fail when it starts.
+_gpu_limit = getattr(workflow.global_resources.get("gpu"), "value", None)
+try:
+    preflight.check_gpu_counts(CFG, None if _gpu_limit is None else int(_gpu_limit))
+except UserError as exc:
+    raise WorkflowError(f"the config asks for more GPUs than there are:\n  {exc}") from None
+
 # Every check that needs only the config and the verifier's files runs now, at dry-run, when
 # the verifier is on disk (a verifier named in the config; the embedded default's is built by
 # the workflow and checked by its jobs). The jobs run the same checks again before their models

@@ -1,4 +1,4 @@
-EVALUATE_GPUS = CFG.evaluate.tensor_parallel_size if CFG.evaluate.use_gpus else 0
+EVALUATE_GPUS = CFG.evaluate.gpus
 
 
 rule evaluate_draft:

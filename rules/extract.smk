@@ -4,7 +4,7 @@
 # whose fingerprint still matches (a killed job redoes only the shards it had not finished).
 EXTRACT = RESULTS / "extract"
 EXTRACT_SHARDS = EXTRACT / "shards"
-EXTRACT_GPUS = CFG.extract.tensor_parallel_size if CFG.extract.use_gpus else 0
+EXTRACT_GPUS = CFG.extract.gpus
 
 
 rule extract:

@@ -4,7 +4,7 @@
 # is no rule's output: a killed job, started again, redoes only the batches it had not finished.
 REGENERATE = RESULTS / "regenerate"
 REGENERATE_WORK = REGENERATE / "batches"
-REGENERATE_GPUS = CFG.regenerate.tensor_parallel_size if CFG.regenerate.use_gpus else 0
+REGENERATE_GPUS = CFG.regenerate.gpus
 
 
 rule regenerate:

@@ -27,7 +27,13 @@ OWNERS = {
     "demo": ("demo_agentic", "demo_data", "demo_docs", "demo_formats", "demo_verifier"),
     "regenerate": ("regeneration", "regeneration_merge"),
     "vocab": ("vocab_map",),
-    "extract": ("extraction", "disk_plan", "extraction_engines", "hidden_states_connector"),
+    "extract": (
+        "extraction",
+        "disk_plan",
+        "extraction_engines",
+        "extraction_transformers",
+        "hidden_states_connector",
+    ),
     "train": (
         "trainer",
         "training_setup",

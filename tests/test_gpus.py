@@ -245,3 +245,47 @@ def test_snakemake_local_run_gives_concurrent_extraction_jobs_their_own_gpus(tmp
     for i in range(2):
         log = (wd / f"results/logs/extract/job_{i}.log").read_text()
         assert "(4 GPU(s) leased)" in log
+
+
+@pytest.mark.parametrize(
+    "change, limit, expected",
+    [
+        (
+            {"train": {"num_gpus": 16}},
+            8,
+            r"train\.num_gpus is 16 GPUs, but snakemake --resources gpu=8",
+        ),
+        (
+            {"extract": {"tensor_parallel_size": 4, "pipeline_parallel_size": 4}},
+            8,
+            r"extract\.tensor_parallel_size x extract\.pipeline_parallel_size is 16 GPUs, .*; lower "
+            r"extract\.tensor_parallel_size",
+        ),
+        (
+            {"gpus_per_node": 4, "evaluate": {"tensor_parallel_size": 8}},
+            None,
+            r"evaluate\.tensor_parallel_size is 8 GPUs, but a node has 4 \(gpus_per_node\)",
+        ),
+        (
+            {"regenerate": {"enabled": True, "tensor_parallel_size": 8}},
+            4,
+            r"regenerate\.tensor_parallel_size is 8 GPUs",
+        ),
+    ],
+    ids=["train", "extract_pipeline", "per_node", "regenerate"],
+)
+def test_a_gpu_job_asking_more_gpus_than_there_are_is_refused(change, limit, expected):
+    """At dry-run (rules/common.smk): Snakemake would cap the job at --resources gpu=N quietly,
+    and the job would fail when it starts, after every stage before it."""
+    import yaml
+
+    from workflow_scripts.lib.common import UserError
+    from workflow_scripts.lib.config import load_config
+    from workflow_scripts.lib.preflight import check_gpu_counts
+
+    base = yaml.safe_load((ROOT / "config.gpu-8x.yaml").read_text())
+    config = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v
+                         for k, v in change.items()}}  # fmt: skip
+    check_gpu_counts(load_config(base), 8)  # the 8-GPU config as shipped fits an 8-GPU node
+    with pytest.raises(UserError, match=expected):
+        check_gpu_counts(load_config(config), limit)

@@ -6,6 +6,7 @@ real edits. tests/test_reruns.py checks every setting and module the same way, i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def test_evaluation_results(full_build):
     for name in ("acceptance_per_position", "draft_vs_ngram", "training_curves"):
         png = work / "results" / "evaluate" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    # the teacher proven the verifier's own before training's first step (teacher_check.py)
+    log = (work / "results" / "logs" / "train.log").read_text()
+    agree, checked = map(int, re.search(r"teacher check: .* at (\d+) of (\d+)", log).groups())
+    assert checked >= 10 and agree == checked, log[-2000:]
 
 
 def test_report(mechanics_build, tmp_path):
@@ -129,7 +134,8 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workflow_scripts.lib import engine, verifier
+    from workflow_scripts.lib import engine
+    from workflow_scripts.lib.chat.template import load_template
     from workflow_scripts.lib.evaluation import load_prompts, run_in_child
 
     work, config = full_build
@@ -139,7 +145,7 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     results = work / "results"
     verifier_dir = results / "demo" / "verifier"
     prompts = load_prompts(
-        results / "demo" / "eval_prompts.jsonl", verifier.load_tokenizer(verifier_dir), 4
+        results / "demo" / "eval_prompts.jsonl", load_template(verifier_dir, p.chat_template), 4
     )
     spec = {
         "method": "eagle3",

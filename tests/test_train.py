@@ -34,13 +34,8 @@ from workflow_scripts.lib.checkpoint import (
 )
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.draft_attention import dense_ttt_attention, ttt_attention
-from workflow_scripts.lib.draft_model import (
-    DraftConfig,
-    Eagle3Draft,
-    Rotary,
-    TeacherHead,
-    llama_layer_config,
-)
+from workflow_scripts.lib.draft_layer_config import llama_layer_config
+from workflow_scripts.lib.draft_model import DraftConfig, Eagle3Draft, Rotary, TeacherHead
 from workflow_scripts.stages import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -74,6 +74,53 @@ def speculators_config(
     }
 
 
+def mla_draft_config(
+    *,
+    layer_config: dict[str, Any],
+    draft_vocab_size: int,
+    aux_layer_ids: list[int],
+    num_speculative_tokens: int,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str] | None,
+    norm_before_residual: bool = True,
+    norm_output: bool = False,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """config.json of an MLA draft (``train.draft_attention: mla``), in the layout vLLM serves as
+    ``Eagle3DeepseekV2ForCausalLM`` (a DeepSeek-V2 config of one dense layer: its speculators
+    format maps only Llama and Qwen3 layers; model_type ``deepseek_v2``, since vLLM turns every
+    draft config of model_type ``deepseek_v3`` into DeepSeek's MTP layer, which an EAGLE-3
+    draft is not). Tensors as the speculators format's, the
+    attention's as DeepSeek's: ``layers.0.self_attn.{q_a_proj, q_a_layernorm, q_b_proj}``,
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``."""
+    if sorted(set(aux_layer_ids)) != list(aux_layer_ids):
+        raise ValueError(f"aux_layer_ids must be distinct and ascending, got {aux_layer_ids}")
+    ids = [int(i) for i in aux_layer_ids]
+    return {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        **layer_config,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "first_k_dense_replace": 1,  # no MoE: vLLM's EAGLE-3 DeepSeek layer is always dense
+        "tie_word_embeddings": False,
+        "draft_vocab_size": int(draft_vocab_size),
+        "target_hidden_size": int(layer_config["hidden_size"]),
+        "num_aux_hidden_states": len(ids),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+        "norm_before_residual": bool(norm_before_residual),
+        "norm_output": bool(norm_output),
+        "fc_norm": False,
+        "num_speculative_tokens": int(num_speculative_tokens),
+        "verifier": {
+            "name_or_path": str(verifier_name_or_path),
+            "architectures": list(verifier_architectures or []),
+        },
+        "torch_dtype": dtype,
+    }
+
+
 def write_draft_checkpoint(
     directory: Path | str,
     weights: dict[str, torch.Tensor],

@@ -51,6 +51,13 @@ class _TopLevel(BaseModel):
         "held-out prompts, or the last conversations' first user turns of chat_data.",
     )
     results_dir: str = Field("results", description="Where every output of the workflow goes.")
+    gpus_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="GPUs on one node of your cluster: a GPU job (it runs on one node) asking "
+        "more is refused at dry-run. null: not checked; on one machine, snakemake --resources "
+        "gpu=N is checked.",
+    )
 
     @model_validator(mode="after")
     def _eval_prompts_with_own_data(self):

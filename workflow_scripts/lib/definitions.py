@@ -283,6 +283,16 @@ class ExtractParams(EngineSettings):
 class TrainParams(StageParams):
     """EAGLE-3 draft training with training-time test (TTT)."""
 
+    @model_validator(mode="after")
+    def _mla_serves_no_norm_before_fc(self) -> "TrainParams":
+        if self.draft_attention == "mla" and self.norm_before_fc:
+            raise ValueError(
+                "train.norm_before_fc with train.draft_attention mla: vLLM's MLA EAGLE-3 draft "
+                "has no norm over the concatenated auxiliary states; set train.norm_before_fc: "
+                "false"
+            )
+        return self
+
     EXECUTION = {
         "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
         "the uninterrupted one's steps exactly",
@@ -315,6 +325,13 @@ class TrainParams(StageParams):
         False,
         description="EAGLE-3.1: the state fed back to the next draft step is the normed output "
         "instead of the one before the final norm (checkpoint key norm_output, served by vLLM).",
+    )
+    draft_attention: Literal["llama", "mla"] = Field(
+        "llama",
+        description="The draft layer's attention: llama (a Llama decoder layer, speculators "
+        "format), or mla (multi-head latent attention with the verifier's MLA shape, for "
+        "DeepSeek-V3 and Kimi-K2 verifiers: a smaller KV cache, the verifier's attention "
+        "backend; written as vLLM's Eagle3DeepseekV2ForCausalLM checkpoint).",
     )
     epochs: int = Field(10, ge=1, description="Passes over the training split.")
     micro_batch_budget_tokens: int = Field(

@@ -77,11 +77,13 @@ def causal_attention_with_lse(q, k, v, scale: float) -> tuple[torch.Tensor, torc
     return out, lse
 
 
-def ttt_attention(q, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """q [B, H, n, d] of the current step; ``cache`` the (k, v) [B, KV, n, d] of steps 0..now.
-    Returns [B, H, n, d]."""
+def ttt_attention(
+    q, cache: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None
+) -> torch.Tensor:
+    """q [B, H, n, d] of the current step; ``cache`` the (k, v) [B, KV, n, d] of steps 0..now;
+    ``scale`` of the scores, d^-1/2 by default. Returns [B, H, n, d]."""
     B, H, n, d = q.shape
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     k0, v0 = cache[0]
     out, lse = causal_attention_with_lse(q, k0, v0, scale)
     if len(cache) == 1:
@@ -108,7 +110,9 @@ def ttt_attention_mask(n: int, step: int, device) -> torch.Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-def dense_ttt_attention(q, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def dense_ttt_attention(
+    q, cache: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None
+) -> torch.Tensor:
     """The same attention, dense: every step's keys concatenated (repeated over the groups of
     query heads) and an explicit mask. Quadratic in the steps; the reference."""
     n = q.shape[2]
@@ -119,4 +123,4 @@ def dense_ttt_attention(q, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> to
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
     mask = ttt_attention_mask(n, len(cache) - 1, q.device)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

@@ -43,65 +43,6 @@ from torch.utils.checkpoint import checkpoint
 from workflow_scripts.lib.draft_attention import dense_ttt_attention, ttt_attention
 from workflow_scripts.lib.teacher_head import LOSS_CHUNK_ELEMENTS, TeacherHead
 
-# Keys of the verifier's config.json copied into the draft's Llama layer config unchanged, so the
-# draft's attention geometry and RoPE are the verifier's (the embedding is shared).
-VERIFIER_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
-
-# transformers' generic config fields, meaningless for one draft layer
-GENERIC_CONFIG_KEYS = (
-    "id2label",
-    "label2id",
-    "_name_or_path",
-    "transformers_version",
-    "dtype",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "problem_type",
-    "pretraining_tp",
-    "use_cache",
-)
-
-
-def llama_layer_config(verifier_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The draft's decoder layer as a one-layer Llama config (transformers' dict form): what the
-    checkpoint stores as ``transformer_layer_config`` and what the model below is built from."""
-    from transformers import LlamaConfig
-
-    kwargs = {k: verifier_cfg[k] for k in VERIFIER_KEYS if verifier_cfg.get(k) is not None}
-    if "head_dim" not in kwargs:
-        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    cfg = LlamaConfig(
-        **kwargs,
-        num_hidden_layers=1,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    out = cfg.to_dict()
-    for generic in GENERIC_CONFIG_KEYS:
-        out.pop(generic, None)
-    return out
-
 
 @dataclass
 class DraftConfig:
@@ -117,6 +58,7 @@ class DraftConfig:
     norm_before_residual: bool = True
     norm_before_fc: bool = False
     norm_output: bool = False
+    attention: str = "llama"  # or "mla": the verifier's multi-head latent attention (draft_mla.py)
     layer_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -127,6 +69,7 @@ class DraftConfig:
         num_aux_layers: int = 3,
         norm_before_fc: bool = False,
         norm_output: bool = False,
+        attention: str = "llama",
     ) -> "DraftConfig":
         c = layer_config
         return cls(
@@ -134,13 +77,14 @@ class DraftConfig:
             intermediate_size=c["intermediate_size"],
             num_attention_heads=c["num_attention_heads"],
             num_key_value_heads=c["num_key_value_heads"],
-            head_dim=c["head_dim"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
             rms_norm_eps=c["rms_norm_eps"],
             verifier_vocab_size=c["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             num_aux_layers=num_aux_layers,
             norm_before_fc=norm_before_fc,
             norm_output=norm_output,
+            attention=attention,
             layer_config=dict(layer_config),
         )
 
@@ -248,7 +192,15 @@ class DecoderLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        if cfg.attention == "mla":
+            from workflow_scripts.lib.draft_mla import MLAAttention, MLARotary
+
+            rope = MLARotary(
+                cfg.layer_config["qk_rope_head_dim"], cfg.layer_config["rope_parameters"]
+            )
+            self.self_attn = MLAAttention(cfg, cfg.layer_config, rope.attention_mscale)
+        else:
+            self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -286,7 +238,13 @@ class Eagle3Draft(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = Rotary(cfg.layer_config)
+        if cfg.attention == "mla":
+            from workflow_scripts.lib.draft_mla import MLARotary
+
+            layer = cfg.layer_config
+            self.rotary = MLARotary(layer["qk_rope_head_dim"], layer["rope_parameters"])
+        else:
+            self.rotary = Rotary(cfg.layer_config)
         self.reset_parameters()
         if embed_weight is not None:
             with torch.no_grad():

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib import verifier as verifier_lib
 from workflow_scripts.lib.verifier import own_dtype
 
 log = logging.getLogger("eagle3")
@@ -56,11 +57,16 @@ def check_devices(settings, section: str, vllm: bool = True, dtype: str | None =
             visible = torch.cuda.device_count()
         except Exception:
             visible = 0
-        tp = settings.tensor_parallel_size
+        tp = settings.gpus
         if visible < tp:
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            asked = (
+                f"{section}.tensor_parallel_size x pipeline_parallel_size is {tp}"
+                if settings.pipeline_parallel_size > 1
+                else f"{section}.tensor_parallel_size is {tp}"
+            )
             raise UserError(
-                f"{section}.tensor_parallel_size is {tp} with "
+                f"{asked} with "
                 f"{section}.use_gpus true, but {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
                 f"{env if env is not None else 'unset'}); reserve more GPUs (snakemake "
                 f"--resources gpu=N, or the cluster profile), lower {section}.tensor_parallel_size, "
@@ -95,6 +101,7 @@ def engine_args(settings, verifier: Path | str, dtype: str, seed: int = 0, **ext
     kwargs: dict[str, Any] = dict(
         model=str(verifier),
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
         max_model_len=settings.max_model_len_tokens,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         dtype=dtype,
@@ -103,6 +110,11 @@ def engine_args(settings, verifier: Path | str, dtype: str, seed: int = 0, **ext
     )
     if settings.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if verifier_lib.is_multimodal_wrapper(verifier):
+        kwargs["language_model_only"] = True  # no vision or audio tower: every stage is text
+    template = getattr(settings, "chat_template", None)  # stages that load the tokenizer
+    if template is not None and template.trust_remote_code:
+        kwargs["trust_remote_code"] = True
     return {**kwargs, **extra}
 
 
@@ -150,7 +162,11 @@ def make_llm(kwargs: dict[str, Any], use_gpus: bool, in_process: bool | None = N
 
     tp = int(kwargs.get("tensor_parallel_size", 1))
     if in_process is None:
-        in_process = not use_gpus and tp == 1
+        # a multimodal verifier's engine runs in processes of its own: its image processor
+        # imports numba's llvmlite, whose FFI objects break vLLM's CPU worker when that scans
+        # the process's modules to rebind Triton kernels (AttributeError in
+        # register_triton_kernel_overrides, vLLM 0.32)
+        in_process = not use_gpus and tp == 1 and not kwargs.get("language_model_only")
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         torch.set_num_threads(cpu_threads())

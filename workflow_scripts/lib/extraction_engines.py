@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from workflow_scripts.lib import engine
+from workflow_scripts.lib import engine, teacher_check
 from workflow_scripts.lib.common import Progress
-from workflow_scripts.lib.engine import cpu_threads, engine_args, engine_in_process
+from workflow_scripts.lib.engine import engine_args, engine_in_process
 from workflow_scripts.lib.extraction import (
     Plan,
     ShardPlan,
@@ -35,6 +35,7 @@ from workflow_scripts.lib.extraction import (
     remember_entry,
     sample_tensors,
 )
+from workflow_scripts.lib.extraction_transformers import TransformersExtractor
 from workflow_scripts.lib.shard_writer import ShardWriter
 from workflow_scripts.lib.shards import TORCH_DTYPES
 
@@ -182,13 +183,34 @@ def run_vllm(
     remaining: dict[int, int] = {}
 
     def finish_sample(job: ShardJob, i: int, tokens: int) -> None:
-        on_sample(tokens)
         remaining[job.index] -= 1
-        if extract:
-            job.writer.done(i)
+        if i >= 0:
+            on_sample(tokens)
+            if extract:
+                job.writer.done(i)
         if remaining[job.index] == 0:
             del remaining[job.index]
             on_shard(job)
+
+    def add_check(job: ShardJob) -> None:
+        """The teacher check's request for a shard (teacher_check.py): a prefix of one of its
+        samples with the verifier's top-1 at every position; its states are not written."""
+        check = job.extra["check"]
+        ids = job.samples[check["sample"]][0][: check["tokens"]]
+        req_id = f"check:{job.index}"
+        engine.add_request(
+            req_id,
+            {"prompt_token_ids": ids.tolist()},
+            SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                prompt_logprobs=1,
+                detokenize=False,
+                extra_args={"kv_transfer_params": {TARGET_KEY: {"skip": True}}},
+            ),
+        )
+        in_flight[req_id] = (job, -1, int(ids.numel()))
+        remaining[job.index] += 1
 
     while nxt is not None or in_flight or unwritten:
         while nxt is not None and (
@@ -204,6 +226,8 @@ def run_vllm(
                 remaining[job.index] = len(job.samples)
                 if extract:
                     job.open(num_aux, hidden_size, storage)
+                    if job.extra.get("check"):
+                        add_check(job)
             extra = {"kv_transfer_params": {TARGET_KEY: job.writer.target(i)}} if extract else None
             req_id = f"{job.index}:{i}"
             engine.add_request(
@@ -242,7 +266,14 @@ def run_vllm(
             if not out.finished:
                 continue
             job, i, tokens = in_flight.pop(out.request_id)
-            in_flight_tokens -= tokens
+            if i >= 0:
+                in_flight_tokens -= tokens
+            else:
+                check = job.extra["check"]
+                job.extra["teacher_check"] = {
+                    **check,
+                    "top1": teacher_check.top1_from_vllm(out, check),
+                }
             if extract:
                 params = out.kv_transfer_params or {}
                 if "hidden_states_path" not in params:
@@ -250,66 +281,6 @@ def run_vllm(
                 unwritten.append((params["hidden_states_path"], job, i, tokens))
             else:
                 finish_sample(job, i, tokens)
-
-
-# --------------------------------------------------------------------------- transformers
-
-
-class TransformersExtractor:
-    """The reference backend: Hugging Face transformers, one sample per forward pass."""
-
-    def __init__(self, verifier: Path, dtype: torch.dtype, aux_ids: list[int], use_gpus: bool):
-        from transformers import AutoModelForCausalLM
-
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if use_gpus:
-            kwargs["device_map"] = "auto"
-        else:
-            torch.set_num_threads(cpu_threads())
-        self.model = AutoModelForCausalLM.from_pretrained(str(verifier), **kwargs).eval()
-        self.base = self.model.get_decoder()
-        norm = next(
-            (
-                getattr(self.base, n)
-                for n in ("norm", "final_layernorm", "ln_f")
-                if hasattr(self.base, n)
-            ),
-            None,
-        )
-        if norm is None:
-            raise RuntimeError(
-                f"{type(self.base).__name__} has no final norm (norm / final_layernorm / ln_f) "
-                "to take the final pre-norm state from"
-            )
-        self.aux_ids = aux_ids
-        self._captured: dict[str, torch.Tensor] = {}
-        norm.register_forward_pre_hook(self._hook)
-        self.device = next(self.model.parameters()).device
-
-    def _hook(self, _module, args):
-        self._captured["final"] = args[0]
-
-    @torch.inference_mode()
-    def states(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.base(input_ids=ids[None].to(self.device), output_hidden_states=True)
-        aux = torch.stack([out.hidden_states[k][0] for k in self.aux_ids], dim=1)
-        return aux.cpu(), self._captured.pop("final")[0].cpu()
-
-    def run(
-        self,
-        jobs: Iterable[ShardJob],
-        hidden_size: int,
-        storage: torch.dtype,
-        on_sample: Callable[[int], None],
-        on_shard: Callable[[ShardJob], None],
-    ) -> None:
-        for job in jobs:
-            writer = job.open(len(self.aux_ids), hidden_size, storage)
-            for i, (ids, _) in enumerate(job.samples):
-                aux, final = self.states(ids)
-                writer.put(i, aux, final)
-                on_sample(int(ids.numel()))
-            on_shard(job)
 
 
 # --------------------------------------------------------------------------- the stage's run
@@ -324,7 +295,8 @@ def shard_jobs(io, plan: Plan, shards: list[ShardPlan]):
             for i, row in read_rows(io.tokenized, plan.line_offsets, shard.samples)
         ]
         meta = plan.shard_metadata(shard)
-        yield ShardJob(shard.index, shard.path, samples, meta, extra={"plan": shard})
+        extra = {"plan": shard, "check": teacher_check.choose(samples)}
+        yield ShardJob(shard.index, shard.path, samples, meta, extra=extra)
 
 
 def extract(io, p, plan: Plan) -> None:
@@ -342,8 +314,10 @@ def extract(io, p, plan: Plan) -> None:
         unit="samples",
     )
 
-    def finish(shard: ShardPlan, writer) -> None:
-        entry = writer.finish()
+    def finish(job: ShardJob) -> None:
+        shard, writer = job.extra["plan"], job.writer
+        check = job.extra.get("teacher_check")
+        entry = writer.finish({"teacher_check": check} if check else None)
         planned = plan.shard_bytes(shard)
         if entry["bytes"] != planned:  # the disk plan is exact
             raise RuntimeError(
@@ -361,7 +335,7 @@ def extract(io, p, plan: Plan) -> None:
     finisher = Finisher()
 
     def on_shard(job) -> None:
-        finisher.submit(finish, job.extra["plan"], job.writer)
+        finisher.submit(finish, job)
 
     def on_sample(tokens: int) -> None:
         progress.update(1, tokens)

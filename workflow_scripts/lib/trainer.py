@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from workflow_scripts.lib import shards
+from workflow_scripts.lib import shards, teacher_check
 from workflow_scripts.lib.common import UserError, atomic_path, format_seconds
 from workflow_scripts.lib.definitions import TrainParams
 from workflow_scripts.lib.draft_model import (
@@ -78,6 +78,17 @@ class Trainer:
 
         model, teacher = build_draft(inputs, p, embed_dtype=None if on_gpu else torch.float32)
         self.model, self.teacher = model.to(d.device), teacher.to(d.device)
+        # the teacher against the verifier's own choices recorded by extraction, before any step
+        check = teacher_check.verify(inputs.manifest, self.teacher, d.device, io.verifier)
+        if d.main:
+            log.info(
+                "teacher check: the teacher's top-1 is the verifier's at %d of %d recorded "
+                "positions (%d left out: within rounding)%s",
+                check["agree"],
+                check["checked"],
+                check["undecided"],
+                "" if check["checked"] else "; none recorded (shards from before the check)",
+            )
         cfg = self.model.cfg
         if d.distributed:
             self.ddp = torch.nn.parallel.DistributedDataParallel(

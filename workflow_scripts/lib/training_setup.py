@@ -13,14 +13,15 @@ from typing import Any
 import torch
 
 from workflow_scripts.lib import verifier
-from workflow_scripts.lib.checkpoint import speculators_config, write_draft_checkpoint
-from workflow_scripts.lib.definitions import TrainParams
-from workflow_scripts.lib.draft_model import (
-    DraftConfig,
-    Eagle3Draft,
-    TeacherHead,
-    llama_layer_config,
+from workflow_scripts.lib.checkpoint import (
+    mla_draft_config,
+    speculators_config,
+    write_draft_checkpoint,
 )
+from workflow_scripts.lib.definitions import TrainParams
+from workflow_scripts.lib.draft_layer_config import llama_layer_config
+from workflow_scripts.lib.draft_model import DraftConfig, Eagle3Draft, TeacherHead
+from workflow_scripts.lib.teacher_head import HeadSpec
 from workflow_scripts.lib.registry import TrainIO
 from workflow_scripts.lib.training_data import MicroBatch
 from workflow_scripts.lib.training_inputs import Inputs
@@ -74,9 +75,15 @@ def build_draft(
     embed_dtype: torch.dtype | None = torch.float32,
 ) -> tuple[Eagle3Draft, TeacherHead]:
     """The draft as training starts it, and the teacher. Both take the verifier's final norm and
-    the draft vocabulary's lm_head rows: the teacher frozen, the draft as its starting point.
+    the draft vocabulary's lm_head rows: the teacher frozen, as the verifier's family computes
+    them (``HeadSpec``), the draft as its starting point (its own norm is a plain RMSNorm, as
+    vLLM serves it: started at the verifier's weight plus the family's offset, the same norm).
     The embedding is the verifier's, frozen (``embed_dtype`` None keeps the verifier's dtype)."""
     layer_config = llama_layer_config(inputs.verifier_cfg)
+    if p.draft_attention == "mla":
+        from workflow_scripts.lib.draft_mla import mla_layer_config
+
+        layer_config = mla_layer_config(inputs.verifier_cfg, layer_config)
     layer_config["num_aux_hidden_states"] = len(inputs.aux_layer_ids)
     cfg = DraftConfig.from_layer_config(
         layer_config,
@@ -84,21 +91,28 @@ def build_draft(
         len(inputs.aux_layer_ids),
         norm_before_fc=p.norm_before_fc,
         norm_output=p.norm_output,
+        attention=p.draft_attention,
     )
     embed = verifier.read_tensor(inputs.tensors["embed"])
     norm = verifier.read_tensor(inputs.tensors["norm"]).float()
     head_rows = verifier.read_tensor(inputs.tensors["lm_head"], rows=inputs.t2d).float()
     head = verifier.read_tensor(inputs.tensors["lm_head"])  # whole: the verifier's own argmax
     draft_to_verifier = torch.arange(inputs.d2t.numel()) + inputs.d2t.to(torch.int64)
+    spec = HeadSpec.of(inputs.verifier_cfg)
     torch.manual_seed(p.seed)
     model = Eagle3Draft(cfg)
     model.embed_tokens.to(embed_dtype or embed.dtype)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed)
         model.lm_head.weight.copy_(head_rows)
-        model.norm.weight.copy_(norm)
+        model.norm.weight.copy_(norm + spec.norm_offset)
     teacher = TeacherHead(
-        norm, head_rows, cfg.rms_norm_eps, head.to(embed_dtype or head.dtype), draft_to_verifier
+        norm,
+        head_rows,
+        cfg.rms_norm_eps,
+        head.to(embed_dtype or head.dtype),
+        draft_to_verifier,
+        spec,
     )
     return model, teacher
 
@@ -107,6 +121,23 @@ def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO
     """The draft checkpoint vLLM serves (speculators format, see checkpoint.py)."""
     vcfg = inputs.verifier_cfg
     dtype = vcfg.get("torch_dtype") or vcfg.get("dtype")
+    if model.cfg.attention == "mla":
+        config = mla_draft_config(
+            layer_config={
+                k: v for k, v in model.cfg.layer_config.items() if k != "num_aux_hidden_states"
+            },
+            draft_vocab_size=inputs.d2t.numel(),
+            aux_layer_ids=inputs.aux_layer_ids,
+            num_speculative_tokens=p.num_speculative_tokens,
+            verifier_name_or_path=str(Path(io.verifier).resolve()),
+            verifier_architectures=vcfg.get("architectures"),
+            norm_before_residual=model.cfg.norm_before_residual,
+            norm_output=model.cfg.norm_output,
+            dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
+        )
+        weights = model.checkpoint_state_dict()
+        write_draft_checkpoint(directory, weights, config, inputs.d2t, inputs.t2d)
+        return
     config = speculators_config(
         layer_config=model.cfg.layer_config,
         draft_vocab_size=inputs.d2t.numel(),

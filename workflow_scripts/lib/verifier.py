@@ -51,6 +51,13 @@ def verifier_config(verifier_dir: Path | str) -> dict[str, Any]:
     return cfg
 
 
+def is_multimodal_wrapper(verifier_dir: Path | str) -> bool:
+    """A multimodal verifier (Kimi-K2.5, Qwen3-VL, ...): its language model's config sits in
+    ``text_config`` beside its towers'. Engines load only the language model: every stage here
+    is text."""
+    return "text_config" in read_json(Path(verifier_dir) / CONFIG_FILE)
+
+
 def own_dtype(cfg: dict[str, Any]) -> str | None:
     """The dtype the verifier's weights are stored in, as config.json names it."""
     value = cfg.get("torch_dtype") or cfg.get("dtype")
@@ -163,21 +170,30 @@ def chat_template_on_disk(verifier: Path | str) -> bool:
     return bool(config.get("chat_template"))
 
 
-def load_tokenizer(verifier: Path | str):
-    """The verifier's fast tokenizer, with a chat template."""
+def load_tokenizer(verifier: Path | str, trust_remote_code: bool = False):
+    """The verifier's tokenizer, with a chat template (its own code with ``trust_remote_code``:
+    config key chat_template.trust_remote_code)."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(verifier))
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(verifier), trust_remote_code=trust_remote_code
+        )
     except Exception as exc:  # transformers raises many kinds; all mean the same to the user
-        raise UserError(f"cannot load the tokenizer of verifier '{verifier}': {exc}") from None
+        hint = (
+            ""
+            if trust_remote_code
+            else " (if the verifier ships its own tokenizer code, set "
+            "chat_template.trust_remote_code: true)"
+        )
+        raise UserError(
+            f"cannot load the tokenizer of verifier '{verifier}': {exc}{hint}"
+        ) from None
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             f"the tokenizer of verifier '{verifier}' has no chat template; add 'chat_template' "
             "to its tokenizer_config.json (or a chat_template.jinja file beside it)"
         )
-    if not tokenizer.is_fast:
-        raise UserError(f"verifier '{verifier}': a fast tokenizer (tokenizer.json) is required")
     return tokenizer
 
 
@@ -232,6 +248,20 @@ def locate_tensors(verifier_dir: Path | str, vcfg: dict) -> dict[str, tuple[Path
     if norm is None:
         raise UserError(f"{verifier_dir}: no final norm.weight among the verifier's tensors")
     lm_head = _pick(names, "lm_head.weight")
+    quantized = [
+        n
+        for n in names
+        if re.search(
+            r"(^|\.)(lm_head|embed_tokens)\.(weight_packed|qweight|weight_scale|scales)$", n
+        )
+    ]
+    if quantized:
+        raise UserError(
+            f"{verifier_dir}: the verifier's {quantized[0].rsplit('.', 1)[0]} is quantized "
+            f"({quantized[0]}): the draft and its teacher need the embedding and the lm_head in "
+            "floating point (quantized experts and layers are fine); use a checkpoint whose "
+            "quantization leaves lm_head and embed_tokens out (compressed-tensors: 'ignore')"
+        )
     if lm_head is None:
         if vcfg.get("tie_word_embeddings") is False:
             raise UserError(f"{verifier_dir}: no lm_head.weight, and the embeddings are not tied")
@@ -245,7 +275,13 @@ def locate_tensors(verifier_dir: Path | str, vcfg: dict) -> dict[str, tuple[Path
         if not file.is_file():
             raise UserError(f"{verifier_dir}: {name} should be in {file.name}, which is missing")
         with safe_open(str(file), framework="pt") as fh:
-            shape = list(fh.get_slice(name).get_shape())
+            tensor = fh.get_slice(name)
+            shape, dtype = list(tensor.get_shape()), tensor.get_dtype()
+        if dtype not in ("F32", "F16", "BF16"):
+            raise UserError(
+                f"{file}: {name} is stored as {dtype}: the draft and its teacher need the "
+                "embedding, final norm and lm_head in floating point (F32, F16 or BF16)"
+            )
         if shape != expected[key]:
             raise UserError(
                 f"{file}: {name} has shape {shape}, expected {expected[key]} from config.json"

@@ -39,14 +39,18 @@ log = logging.getLogger("eagle3")
 def main() -> None:
     io, p = cli.parse("evaluate")
     draft_cfg = read_json(io.draft / "config.json")
-    if draft_cfg.get("speculators_model_type") != "eagle3":
-        raise UserError(f"{io.draft}/config.json is not an EAGLE-3 speculators checkpoint")
+    mla = draft_cfg.get("architectures") == ["Eagle3DeepseekV2ForCausalLM"]
+    if draft_cfg.get("speculators_model_type") != "eagle3" and not mla:
+        raise UserError(
+            f"{io.draft}/config.json is neither an EAGLE-3 speculators checkpoint nor an MLA "
+            "EAGLE-3 draft (Eagle3DeepseekV2ForCausalLM)"
+        )
     prompts = load_prompts(
         io.eval_prompts, load_template(io.verifier, p.chat_template), p.max_prompts
     )
     log.info("evaluate: %d prompts from %s", len(prompts), io.eval_prompts)
 
-    dtype = preflight.check_engine(p, "evaluate", verifier.verifier_config(io.verifier))
+    dtype = preflight.check_evaluate(p, verifier.verifier_config(io.verifier))
     engine.check_devices(p, "evaluate", dtype=dtype)
     engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
     k = p.num_speculative_tokens

@@ -91,7 +91,8 @@ def load_template(verifier_dir: Path | str, settings) -> "ChatTemplate":
     ``chat_template``)."""
     from workflow_scripts.lib.verifier import load_tokenizer
 
-    return ChatTemplate(load_tokenizer(verifier_dir), settings.kwargs, settings.date, verifier_dir)
+    tokenizer = load_tokenizer(verifier_dir, settings.trust_remote_code)
+    return ChatTemplate(tokenizer, settings.kwargs, settings.date, verifier_dir)
 
 
 class ChatTemplate:
