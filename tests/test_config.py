@@ -66,6 +66,11 @@ def test_schema_documents_every_parameter():
             r"'prepare\.on_bad_row' = 'ignore'.*'fail' or 'skip'",
         ),
         ({"chat_data": "my.jsonl"}, r"'eval_prompts' is required when 'chat_data' is set"),
+        (
+            {"train": {"draft_attention": "mla", "fc_norm": True}},
+            r"train\.fc_norm with train\.draft_attention mla.*set train\.fc_norm: false",
+        ),
+        ({"train": {"loss": "ce"}}, r"'train\.loss' = 'ce'.*'kl', 'tv', 'lk_alpha' or 'lk_hybrid'"),
     ],
 )
 def test_bad_config_names_key_and_fix(raw, expected):

@@ -4,6 +4,7 @@ processes training the same model as one."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -128,6 +129,10 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
     features = aux[:n].flatten(1)
     if model.cfg.norm_before_fc:
         features = model.input_norm(features)
+    if model.cfg.fc_norm:  # as vLLM's combine_hidden_states: each layer's state, its own norm
+        features = torch.cat(
+            [norm(aux_k) for norm, aux_k in zip(model.fc_norm, features.chunk(3, -1))], -1
+        )
     features = model.fc(features)
 
     def fed_back(r):
@@ -170,13 +175,20 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
 
 
 @pytest.mark.parametrize(
-    "norm_before_residual, norm_before_fc, norm_output",
-    [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+    "norm_before_residual, norm_before_fc, norm_output, fc_norm",
+    [
+        (True, False, False, False),
+        (False, False, False, False),
+        (True, True, False, False),
+        (True, False, True, False),
+        (True, False, False, True),
+        (True, True, True, True),
+    ],
 )
 def test_ttt_unroll_equals_token_by_token_decoding(
-    norm_before_residual, norm_before_fc, norm_output
+    norm_before_residual, norm_before_fc, norm_output, fc_norm
 ):
-    model = small_draft(norm_before_fc=norm_before_fc, norm_output=norm_output)
+    model = small_draft(norm_before_fc=norm_before_fc, norm_output=norm_output, fc_norm=fc_norm)
     model.cfg.norm_before_residual = norm_before_residual
     model.layers[0].norm_before_residual = norm_before_residual
     model.double()  # float64: any difference is a logic error, not rounding
@@ -547,6 +559,119 @@ def test_changed_settings_do_not_resume_an_old_state(inputs, tmp_path):
     )
     again = read_metrics(out / "metrics.jsonl")
     assert len(again) == len(rows) and again[0]["lr"] != rows[0]["lr"]
+
+
+def test_the_losses_are_what_they_say():
+    """tv is 1 - alpha (alpha = sum min(p, q): speculative sampling's acceptance rate); lk_alpha
+    -log alpha; lk_hybrid KL where the draft is far off and tv where it is close; each zero
+    where q = p and with a gradient that moves q towards p."""
+    from workflow_scripts.lib.draft_model import OBJECTIVES, objective_value
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.log_softmax(torch.randn(5, 7, generator=g, dtype=torch.float64), -1)
+    p = target.exp()
+    for objective in OBJECTIVES:
+        logits = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+        lq = torch.log_softmax(logits, -1)
+        kl = (p * (target - lq)).sum(-1)
+        value = objective_value(objective, kl, p, lq.exp())
+        alpha = torch.minimum(p, lq.exp()).sum(-1)
+        expected = {
+            "kl": kl,
+            "tv": 1 - alpha,
+            "lk_alpha": -alpha.log(),
+            "lk_hybrid": torch.exp(-3 * alpha) * kl + (1 - torch.exp(-3 * alpha)) * (1 - alpha),
+        }[objective]
+        torch.testing.assert_close(value, expected)
+        value.sum().backward()
+        moved = torch.log_softmax(logits.detach() - 0.05 * logits.grad, -1)
+        kl_after = (p * (target - moved)).sum(-1)
+        assert objective_value(objective, kl_after, p, moved.exp()).sum() < value.sum(), objective
+        same = objective_value(objective, torch.zeros(5, dtype=torch.float64), p, p)
+        torch.testing.assert_close(same, torch.zeros_like(same), atol=1e-12, rtol=0)
+    # the hybrid's blend is KL's at no overlap and moves to tv as alpha grows
+    far = objective_value(
+        "lk_hybrid", torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    )
+    assert far.item() == pytest.approx(2.0)
+
+
+def test_the_learning_rate_schedules():
+    from workflow_scripts.lib.training_setup import lr_factor
+
+    assert [lr_factor(s, 2, 10, 0.0, "linear") for s in (0, 1, 2, 6, 10)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.5, 0.0]
+    )
+    assert lr_factor(2, 2, 10, 0.1, "cosine") == pytest.approx(1.0)
+    assert lr_factor(6, 2, 10, 0.1, "cosine") == pytest.approx(0.55)
+    assert lr_factor(10, 2, 10, 0.1, "cosine") == pytest.approx(0.1)
+
+
+def test_muon_with_adamw_resumes_from_its_state_dict():
+    """The Muon + AdamW pair is one optimizer to the scheduler and the resume state: Muon holds
+    exactly the hidden weight matrices, and a copy restored from the saved state dict takes the same
+    next step as the original."""
+    from workflow_scripts.lib.definitions import TrainParams
+    from workflow_scripts.lib.training_setup import make_optimizer
+
+    p = TrainParams(optimizer="muon")
+
+    def step(model, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        for q in model.parameters():
+            if q.requires_grad:
+                q.grad = torch.randn(q.shape, generator=g)
+        opt.step()
+
+    a = small_draft(fc_norm=True)
+    opt_a = make_optimizer(a, p)
+    muon, adamw = opt_a.optimizers
+    by_id = {id(q): n for n, q in a.named_parameters()}
+    in_muon = {by_id[id(q)] for g in muon.param_groups for q in g["params"]}
+    assert in_muon == {n for n, q in a.named_parameters() if q.requires_grad and q.ndim == 2
+                       and not n.startswith("lm_head.")}  # fmt: skip
+    assert "fc.weight" in in_muon and len(opt_a.param_groups) == 2
+    step(a, opt_a, 0)
+    b = small_draft(fc_norm=True)
+    b.load_state_dict(a.state_dict())
+    opt_b = make_optimizer(b, p)
+    saved = io.BytesIO()  # as the resume state goes: through torch.save
+    torch.save(opt_a.state_dict(), saved)
+    saved.seek(0)
+    opt_b.load_state_dict(torch.load(saved))
+    step(a, opt_a, 1)
+    step(b, opt_b, 1)
+    for (name, qa), qb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(qa, qb, rtol=0, atol=0, msg=name)
+
+
+def test_the_reference_recipe_trains_as_set(inputs, tmp_path):
+    """speculators' settings in one run: Muon on the weight matrices and AdamW on the rest, a
+    linear schedule to 0, the lm_head frozen at the verifier's rows, the final norm from ones,
+    the checkpoint of the lowest validation loss; per-layer fc norms and the LK loss; it learns,
+    and the checkpoint says what vLLM needs to serve it."""
+    out = tmp_path / "out"
+    recipe = dict(optimizer="muon", lr_schedule="linear", min_lr_ratio=0.0, freeze_lm_head=True,
+                  final_norm_init="ones", select_by="validation_loss", fc_norm=True,
+                  loss="lk_hybrid", validate_every_steps=5)  # fmt: skip
+    train.main(inputs.args(out, epochs=4, checkpoint_every_steps=1000, **{**FAST, **recipe}))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    assert rows[-1]["lr"] < 0.1 * max(r["lr"] for r in rows)  # linear, towards 0
+    config, tensors = read_draft_checkpoint(out / "draft")
+    assert config["fc_norm"] is True
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
+    vcfg = verifier.verifier_config(inputs.verifier)
+    where = verifier.locate_tensors(inputs.verifier, vcfg)
+    import safetensors.torch as st
+
+    t2d = st.load_file(str(inputs.vocab_map))["t2d"].bool()
+    head = verifier.read_tensor(where["lm_head"], rows=t2d).float()
+    torch.testing.assert_close(tensors["lm_head.weight"].float(), head)  # frozen
+    assert not torch.allclose(tensors["norm.weight"], torch.ones_like(tensors["norm.weight"]))
+    validation = read_metrics(out / "metrics.jsonl", "val")
+    selected = read_metrics(out / "metrics.jsonl", "selected")[-1]
+    assert selected["loss"] == min(v["loss"] for v in validation)
 
 
 def test_two_gloo_processes_train_the_same_model_as_one(inputs, tmp_path):

@@ -5,7 +5,8 @@
                              the draft's Llama layer (transformer_layer_config), the auxiliary
                              layer ids in vLLM's convention, the verifier it was trained for
     <dir>/model.safetensors  embed_tokens.weight [V, H], fc.weight [H, mH], input_norm.weight
-                             [mH] (with norm_before_fc), layers.0.*,
+                             [mH] (with norm_before_fc), fc_norm.{0..m-1}.weight [H] (with
+                             fc_norm), layers.0.*,
                              norm.weight, lm_head.weight [K, H], d2t int64 [K] and t2d bool [V]
                              (only when K < V)
 
@@ -40,6 +41,7 @@ def speculators_config(
     norm_before_residual: bool = True,
     norm_before_fc: bool = False,
     norm_output: bool = False,
+    fc_norm: bool = False,
     dtype: str = "float32",
 ) -> dict[str, Any]:
     """config.json of a draft. ``aux_layer_ids`` are in vLLM's convention (id k = input of
@@ -54,6 +56,7 @@ def speculators_config(
         "norm_before_residual": bool(norm_before_residual),
         "norm_before_fc": bool(norm_before_fc),
         "norm_output": bool(norm_output),
+        "fc_norm": bool(fc_norm),
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
         "transformer_layer_config": {**layer_config, "dtype": dtype},
         "torch_dtype": dtype,

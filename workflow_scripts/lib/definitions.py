@@ -31,6 +31,7 @@ from workflow_scripts.lib.params_base import (
     StageParams,
     chat_template_field,
 )
+from workflow_scripts.lib.train_params import TrainParams  # noqa: F401 (the train stage's)
 
 # --------------------------------------------------------------------------- demo
 
@@ -279,116 +280,7 @@ class ExtractParams(EngineSettings):
 
 # --------------------------------------------------------------------------- train
 
-
-class TrainParams(StageParams):
-    """EAGLE-3 draft training with training-time test (TTT)."""
-
-    @model_validator(mode="after")
-    def _mla_serves_no_norm_before_fc(self) -> "TrainParams":
-        if self.draft_attention == "mla" and self.norm_before_fc:
-            raise ValueError(
-                "train.norm_before_fc with train.draft_attention mla: vLLM's MLA EAGLE-3 draft "
-                "has no norm over the concatenated auxiliary states; set train.norm_before_fc: "
-                "false"
-            )
-        return self
-
-    EXECUTION = {
-        "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
-        "the uninterrupted one's steps exactly",
-        "log_every_steps": "log lines (the metrics file has every step)",
-    }
-
-    seed: int = Field(0, description="Seed for initialisation, shuffling and the split.")
-    ttt_steps: int = Field(3, ge=1, description="Training-time-test steps unrolled per position.")
-    ttt_step_loss_decay: float = Field(
-        1.0, gt=0, le=1, description="Loss weight of TTT step k is decay**k."
-    )
-    aux_noise: float = Field(
-        0.0,
-        ge=0,
-        description="Uniform noise in [-aux_noise, aux_noise] added to the verifier's auxiliary "
-        "hidden states of the training split (never the held-out one); speculators uses 0.05.",
-    )
-    loss_positions: Literal["all", "verifier_top1_in_draft_vocab"] = Field(
-        "all",
-        description="Positions trained on: every assistant token, or only those whose verifier "
-        "top-1 (over its whole vocabulary) is in the draft vocabulary, which the draft can "
-        "propose (as EAGLE and SpecForge train). Validation and its acceptance count all.",
-    )
-    norm_before_fc: bool = Field(
-        False,
-        description="EAGLE-3.1: an RMSNorm over the concatenated auxiliary states before fc "
-        "(checkpoint key norm_before_fc, served by vLLM).",
-    )
-    norm_output: bool = Field(
-        False,
-        description="EAGLE-3.1: the state fed back to the next draft step is the normed output "
-        "instead of the one before the final norm (checkpoint key norm_output, served by vLLM).",
-    )
-    draft_attention: Literal["llama", "mla"] = Field(
-        "llama",
-        description="The draft layer's attention: llama (a Llama decoder layer, speculators "
-        "format), or mla (multi-head latent attention with the verifier's MLA shape, for "
-        "DeepSeek-V3 and Kimi-K2 verifiers: a smaller KV cache, the verifier's attention "
-        "backend; written as vLLM's Eagle3DeepseekV2ForCausalLM checkpoint).",
-    )
-    epochs: int = Field(10, ge=1, description="Passes over the training split.")
-    micro_batch_budget_tokens: int = Field(
-        8192,
-        ge=16,
-        description="Most tokens per micro-batch and process, padding included (rows x longest "
-        "sample; samples of similar length are batched together). Longer samples are cut.",
-    )
-    grad_accum_steps: int = Field(
-        1,
-        ge=1,
-        description="Micro-batches per optimizer step and process; a global batch is processes "
-        "x this many micro-batches.",
-    )
-    learning_rate: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(100, ge=0, description="Linear warm-up steps.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, x peak.")
-    grad_clip_norm: float = Field(1.0, gt=0, description="Gradient clipping max norm.")
-    validation_fraction: float = Field(
-        0.05,
-        ge=0,
-        lt=1,
-        description="Share of samples held out (a seeded split), scored every "
-        "validate_every_steps and at the end.",
-    )
-    validate_every_steps: int = Field(
-        200,
-        ge=1,
-        description="Optimizer steps between scores of the held-out split (and at the end); the "
-        "draft written is the best of them by simulated acceptance length.",
-    )
-    checkpoint_every_steps: int = Field(
-        200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
-    )
-    log_every_steps: int = Field(10, ge=1, description="Optimizer steps between log lines.")
-    num_gpus: int = Field(
-        0,
-        ge=0,
-        description="GPUs for torchrun DDP; 0 trains on the CPU. A result setting: the number "
-        "of processes sets the global batch (processes x grad_accum_steps micro-batches), and "
-        "GPUs train in bf16.",
-    )
-    num_cpu_processes: int = Field(
-        1,
-        ge=1,
-        description="CPU only (num_gpus 0): DDP processes (gloo) under torchrun, sharing the "
-        "cores. A result setting: the number of processes sets the global batch.",
-    )
-    num_speculative_tokens: int = Field(
-        3,
-        ge=1,
-        description="Speculative tokens written into the checkpoint's proposal method, and the k "
-        "of the simulated acceptance length by which the validation whose weights are kept is "
-        "chosen.",
-    )
-
+# TrainParams: lib/train_params.py (the training recipe's settings, a file of their own)
 
 # --------------------------------------------------------------------------- evaluate
 

@@ -3,7 +3,7 @@
 The draft is one Llama decoder layer that reads the verifier's features (names as in the
 checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
 
-    g      = fc(input_norm(concat(aux_1, ..., aux_m)))     # step 0: verifier features, [H]
+    g      = fc(fc_norm(input_norm(concat(aux_1, ..., aux_m))))  # step 0: the features, [H]
     x      = concat(input_layernorm(embed(token)), hidden_norm(g))          # [2H]
     r      = hidden_norm(g) if norm_before_residual else g
     r      = r + self_attn(x)                              # q/k/v project 2H, RoPE
@@ -11,8 +11,17 @@ checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers
     logits = lm_head(norm(r))                              # [K]
     g      = norm(r) if norm_output else r                 # fed back at the next step
 
-input_norm (an RMSNorm over the m x H features) exists with ``norm_before_fc`` only; that and
-``norm_output`` are EAGLE-3.1's options, config keys of the checkpoint that vLLM reads.
+input_norm (an RMSNorm over the m x H features) exists with ``norm_before_fc`` only, fc_norm (an
+RMSNorm on each auxiliary state, m of them) with ``fc_norm`` only; those and ``norm_output`` are
+EAGLE-3.1's options (speculators' and vLLM's readings of it), config keys of the checkpoint that
+vLLM reads and applies in this order.
+
+The loss of each counted position compares the teacher's distribution p with the draft's q over
+the draft vocabulary (``train.loss``): the forward KL(p || q); the total variation 1 - alpha,
+where alpha = sum_v min(p_v, q_v) is the acceptance rate of speculative sampling; -log alpha
+(``lk_alpha``); or the LK hybrid lambda KL + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha)
+with alpha held constant in lambda (``lk_hybrid``; the LK losses SpecForge trains with: KL's
+gradient while the draft is far off, acceptance's once it is close).
 
 Alignment. A sample is tokens x_0..x_{T-1} with the verifier's states at every position. Draft
 index t (0 <= t < T-1) at TTT step k:
@@ -58,6 +67,7 @@ class DraftConfig:
     norm_before_residual: bool = True
     norm_before_fc: bool = False
     norm_output: bool = False
+    fc_norm: bool = False
     attention: str = "llama"  # or "mla": the verifier's multi-head latent attention (draft_mla.py)
     layer_config: dict[str, Any] = field(default_factory=dict)
 
@@ -70,6 +80,7 @@ class DraftConfig:
         norm_before_fc: bool = False,
         norm_output: bool = False,
         attention: str = "llama",
+        fc_norm: bool = False,
     ) -> "DraftConfig":
         c = layer_config
         return cls(
@@ -84,6 +95,7 @@ class DraftConfig:
             num_aux_layers=num_aux_layers,
             norm_before_fc=norm_before_fc,
             norm_output=norm_output,
+            fc_norm=fc_norm,
             attention=attention,
             layer_config=dict(layer_config),
         )
@@ -234,6 +246,10 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(cfg.num_aux_layers * H, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                [RMSNorm(H, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers)]
+            )
         self.fc = nn.Linear(cfg.num_aux_layers * H, H, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -275,6 +291,9 @@ class Eagle3Draft(nn.Module):
         features = aux_hidden[:, :n].flatten(2)
         if self.cfg.norm_before_fc:
             features = self.input_norm(features)
+        if self.cfg.fc_norm:
+            chunks = features.chunk(self.cfg.num_aux_layers, dim=-1)
+            features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         g = self.fc(features)
         positions = torch.arange(n, device=input_ids.device)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -297,8 +316,11 @@ class Eagle3Draft(nn.Module):
         ttt_steps: int,
         step_loss_decay: float = 1.0,
         denominators: list[float] | None = None,
+        objective: str = "kl",
+        lk_eta: float = 3.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The TTT loss: sum over steps k of decay**k * (sum of the step's forward KL) divided by
+        """The TTT loss: sum over steps k of decay**k * (sum of the step's ``objective``: kl, tv,
+        lk_alpha or lk_hybrid, see the module's docstring) divided by
         ``denominators[k]`` (the number of counted positions of step k in the whole global batch,
         so that any split of a batch over micro-batches and processes gives the same gradient;
         by default this micro-batch's own count).
@@ -323,17 +345,18 @@ class Eagle3Draft(nn.Module):
             counted = shift_left(mask, 2 + k, n)  # x_{t+2+k} is an assistant token
             b, t = counted.nonzero(as_tuple=True)
             served = torch.zeros_like(counted)
-            kl_sum, correct = loss.new_zeros(()), 0
+            kl_sum, objective_sum, correct = loss.new_zeros(()), loss.new_zeros(()), 0
             for i in range(0, len(b), rows):  # [rows, K] logits at a time, recomputed backward
                 bb, tt = b[i : i + rows], t[i : i + rows]
-                kl, right, top1 = checkpoint(
+                kl, value, right, top1 = checkpoint(
                     self.chunk_loss, r[bb, tt], final_hidden[bb, tt + 1 + k], teacher,
-                    use_reentrant=False,
+                    objective, lk_eta, use_reentrant=False,
                 )  # fmt: skip
-                kl_sum, correct = kl_sum + kl, correct + int(right)
+                kl_sum, correct = kl_sum + kl.detach(), correct + int(right)
+                objective_sum = objective_sum + value
                 served[bb, tt] = teacher.draft_to_verifier[top1] == verifier_top1[bb, tt + 1 + k]
             denominator = denominators[k] if denominators is not None else max(len(b), 1)
-            loss = loss + step_loss_decay**k * kl_sum / max(denominator, 1)
+            loss = loss + step_loss_decay**k * objective_sum / max(denominator, 1)
             alive &= served
             stats["kl"][k] = kl_sum.detach().double().cpu()
             stats["correct"][k] = correct
@@ -353,18 +376,43 @@ class Eagle3Draft(nn.Module):
         top1[b, j] = teacher.verifier_top1(final_hidden[b, j])
         return top1
 
-    def chunk_loss(self, draft_states, teacher_states, teacher: TeacherHead):
-        """Summed forward KL(teacher || draft), the number of top-1 agreements inside the draft
-        vocabulary, and the draft's top-1 (draft ids) over a chunk of positions: draft_states
-        [c, H] (the layer's output r), teacher_states [c, H] (the verifier's final states where
-        the predicted tokens sit)."""
+    def chunk_loss(
+        self, draft_states, teacher_states, teacher: TeacherHead, objective="kl", lk_eta=3.0
+    ):
+        """Over a chunk of positions, summed: the forward KL(teacher || draft), the ``objective``
+        (the KL itself, or tv, lk_alpha, lk_hybrid); the number of top-1 agreements inside the
+        draft vocabulary, and the draft's top-1 (draft ids). draft_states [c, H] (the layer's
+        output r), teacher_states [c, H] (the verifier's final states where the predicted
+        tokens sit)."""
         target = teacher.log_probs(teacher_states)
         draft_lp = F.log_softmax(self.lm_head(self.norm(draft_states)).float(), dim=-1)
-        kl = (target.exp() * (target - draft_lp)).sum(-1)
+        p = target.exp()
+        kl = (p * (target - draft_lp)).sum(-1)
+        value = objective_value(objective, kl, p, draft_lp.exp(), lk_eta)
         with torch.no_grad():
             top1 = draft_lp.argmax(-1)
             right = (top1 == target.argmax(-1)).sum()
-        return kl.sum(), right, top1
+        return kl.sum(), value.sum(), right, top1
+
+
+OBJECTIVES = ("kl", "tv", "lk_alpha", "lk_hybrid")
+LK_ALPHA_FLOOR = 1e-6  # -log alpha where the distributions barely overlap
+
+
+def objective_value(objective: str, kl, p, q, lk_eta: float = 3.0) -> torch.Tensor:
+    """The per-position loss [c] from the forward KL [c] and the distributions p (teacher) and
+    q (draft) [c, K]. alpha = sum min(p, q): speculative sampling's acceptance rate."""
+    if objective == "kl":
+        return kl
+    alpha = torch.minimum(p, q).sum(-1)
+    if objective == "tv":
+        return 1.0 - alpha
+    if objective == "lk_alpha":
+        return -torch.log(alpha.clamp_min(LK_ALPHA_FLOOR))
+    if objective == "lk_hybrid":
+        blend = torch.exp(-lk_eta * alpha.detach())
+        return blend * kl + (1.0 - blend) * (1.0 - alpha)
+    raise ValueError(f"unknown loss {objective!r}; one of {', '.join(OBJECTIVES)}")
 
 
 def shift_left(x: torch.Tensor, by: int, n: int) -> torch.Tensor:

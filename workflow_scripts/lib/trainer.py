@@ -49,6 +49,7 @@ from workflow_scripts.lib.training_setup import (
     fmt_list,
     gpu_memory,
     lr_factor,
+    make_optimizer,
     only_in_draft_vocab,
     summarize,
     with_aux_noise,
@@ -98,8 +99,7 @@ class Trainer:
             )
         else:
             self.ddp = self.model
-        params = [q for q in self.model.parameters() if q.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=p.learning_rate, weight_decay=p.weight_decay)
+        self.optimizer = make_optimizer(self.model, p)
 
         # the data
         train_ids, self.val_ids = split_samples(len(inputs.index), p.validation_fraction, p.seed)
@@ -119,7 +119,8 @@ class Trainer:
             )
         total = self.plan.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, p.warmup_steps, total, p.min_lr_ratio)
+            self.optimizer,
+            lambda s: lr_factor(s, p.warmup_steps, total, p.min_lr_ratio, p.lr_schedule),
         )
         self.step = 0
         self.serve_k = min(p.num_speculative_tokens, p.ttt_steps)
@@ -235,9 +236,13 @@ class Trainer:
             (self.state_dir / name).unlink(missing_ok=True)
 
     def keep_if_best(self, summary: dict[str, Any]) -> None:
-        """Keep the weights of the best validation by simulated acceptance length (the latest of
-        equal ones), in ``best.pt`` beside the state."""
-        score = summary["simulated_acceptance_length"]
+        """Keep the weights of the best validation by ``train.select_by`` (the highest simulated
+        acceptance length, or the lowest KL; the latest of equal ones), in ``best.pt`` beside
+        the state."""
+        if self.p.select_by == "simulated_acceptance":
+            score = summary["simulated_acceptance_length"]
+        else:
+            score = -summary["loss"]
         if self.best is not None and score < self.best["score"]:
             return
         self.best = {
@@ -290,6 +295,8 @@ class Trainer:
                         S,
                         p.ttt_step_loss_decay,
                         denominators,
+                        p.loss,
+                        p.lk_eta,
                     )
                 # DDP averages gradients over processes; the loss is already a global mean
                 (loss * self.d.world).backward()
@@ -415,12 +422,15 @@ class Trainer:
                 self.model.load_state_dict(weights, strict=False)
             row = {"step": self.best["step"], "split": "selected", **self.best["summary"]}
             metrics += (json.dumps(row) + "\n").encode()
+            summary = self.best["summary"]
             log.info(
-                "the draft is step %d's: simulated acceptance length %.3f at k=%d on the held-out "
-                "split (the best validation)",
+                "the draft is step %d's: simulated acceptance length %.3f at k=%d, KL %.4f on the "
+                "held-out split (the best validation by %s)",
                 self.best["step"],
-                self.best["score"],
+                summary["simulated_acceptance_length"],
                 self.serve_k,
+                summary["loss"],
+                self.p.select_by,
             )
         write_draft(self.io.draft, self.model, self.inputs, self.io, self.p)
         with atomic_path(self.io.metrics) as tmp:

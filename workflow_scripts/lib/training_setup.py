@@ -27,12 +27,70 @@ from workflow_scripts.lib.training_data import MicroBatch
 from workflow_scripts.lib.training_inputs import Inputs
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``min_ratio``."""
+def lr_factor(
+    step: int, warmup: int, total: int, min_ratio: float, schedule: str = "cosine"
+) -> float:
+    """Linear warm-up to 1 over ``warmup`` steps, then a cosine (or linear) decay to
+    ``min_ratio`` at the last step."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def make_optimizer(model: Eagle3Draft, p: TrainParams) -> torch.optim.Optimizer:
+    """AdamW on every trainable parameter (``train.optimizer: adamw``), or Muon on the weight
+    matrices (the fc, attention and MLP projections: 2-D, hidden layers) with AdamW on the rest
+    (norms; the lm_head when trained, an output layer Muon is not meant for), as speculators
+    trains (``muon``). One optimizer either way, its groups scheduled together."""
+    params = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    if p.optimizer == "adamw":
+        return torch.optim.AdamW(
+            [q for _, q in params], lr=p.learning_rate, weight_decay=p.weight_decay
+        )
+    matrices = [q for n, q in params if q.ndim == 2 and not n.startswith("lm_head.")]
+    rest = [q for n, q in params if not (q.ndim == 2 and not n.startswith("lm_head."))]
+    return CombinedOptimizer(
+        [
+            torch.optim.Muon(
+                matrices,
+                lr=p.muon_learning_rate,
+                momentum=p.muon_momentum,
+                weight_decay=p.muon_weight_decay,
+                adjust_lr_fn="match_rms_adamw",
+            ),
+            torch.optim.AdamW(rest, lr=p.learning_rate, weight_decay=p.weight_decay),
+        ]
+    )
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped as one (their parameter groups in one list, so that one
+    learning-rate scheduler scales each group from its own peak, and one state dict resumes
+    them)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.defaults = {}
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state):
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)
 
 
 def summarize(stats: torch.Tensor, decay: float, num_speculative_tokens: int) -> dict[str, Any]:
@@ -92,6 +150,7 @@ def build_draft(
         norm_before_fc=p.norm_before_fc,
         norm_output=p.norm_output,
         attention=p.draft_attention,
+        fc_norm=p.fc_norm,
     )
     embed = verifier.read_tensor(inputs.tensors["embed"])
     norm = verifier.read_tensor(inputs.tensors["norm"]).float()
@@ -105,7 +164,10 @@ def build_draft(
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed)
         model.lm_head.weight.copy_(head_rows)
-        model.norm.weight.copy_(norm + spec.norm_offset)
+        if p.final_norm_init == "verifier":
+            model.norm.weight.copy_(norm + spec.norm_offset)
+    if p.freeze_lm_head:  # the verifier's rows, as they are
+        model.lm_head.weight.requires_grad_(False)
     teacher = TeacherHead(
         norm,
         head_rows,
@@ -148,6 +210,7 @@ def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO
         norm_before_residual=model.cfg.norm_before_residual,
         norm_before_fc=model.cfg.norm_before_fc,
         norm_output=model.cfg.norm_output,
+        fc_norm=model.cfg.fc_norm,
         dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
     )
     write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)
