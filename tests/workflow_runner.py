@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -53,48 +52,18 @@ def env() -> dict:
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = snakemake_cmd(*args)
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        *args,
+        "--configfile",
+        "test_config.yaml",
+    ]
     proc = subprocess.run(cmd, cwd=workdir, env=env(), capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return proc
-
-
-def snakemake_cmd(*args: str) -> list[str]:
-    return [
-        str(Path(sys.executable).parent / "snakemake"),
-        *args,
-        "--configfile",
-        "test_config.yaml",
-    ]
-
-
-class BackgroundRun:
-    """A Snakemake run started now and waited for later (``wait`` raises with its output if it
-    failed); ``stop`` ends it, by its process group, if it still runs."""
-
-    def __init__(self, workdir: Path, *args: str):
-        self.cmd = snakemake_cmd(*args)
-        self.log = workdir / "background_snakemake.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, cwd=workdir, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def wait(self) -> None:
-        if self.proc.wait() != 0:
-            raise AssertionError(
-                f"{' '.join(self.cmd)} failed ({self.proc.returncode}):\n"
-                + self.log.read_text()[-12000:]
-            )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait()
 
 
 def planned(workdir: Path, target: str, *args: str) -> Counter:
