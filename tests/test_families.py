@@ -9,9 +9,11 @@ noaux_tc and scoring_func sigmoid.
 The DeepSeek/Kimi family (MLA) is served with an MLA draft (train.draft_attention: mla): vLLM on
 the CPU finds no common block size for a Llama-layer draft beside an MLA verifier (its CPU MLA
 backend takes blocks of 16, its CPU attention backend multiples of 32). Served here, as the time
-budget allows (about 30 s each): Qwen3 (tied embeddings), gpt-oss (sliding window, sinks) and
-Kimi-K2.5 (the multimodal wrapper around DeepSeek-V3's MLA and MoE); Mistral, Qwen3-MoE and
-plain DeepSeek-V3 draft the same layers as those. Llama is the whole workflow's own (test_pipeline).
+budget allows (about 30 s each): Qwen3 (tied embeddings) and Kimi-K2.5 (the multimodal wrapper
+around DeepSeek-V3's MLA and MoE); Qwen3-MoE, gpt-oss and plain DeepSeek-V3 draft the same layers
+as those. Llama is the whole workflow's own (test_pipeline); vLLM's Mistral model is its Llama
+model (a subclass: the same auxiliary states, the same head), checked by the registry test of
+tests/test_verifier_families.py.
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ def verifier_config(name: str, vocab: int):
 
     if name == "gemma3":  # final norm x * (1 + w), embeddings scaled, per-layer-type rope
         return tf.Gemma3TextConfig(**SMALL, head_dim=32, vocab_size=vocab, sliding_window=32)
-    if name == "mistral":
-        return tf.MistralConfig(**SMALL, head_dim=32, vocab_size=vocab, sliding_window=None)
     if name == "qwen3":
         return tf.Qwen3Config(**SMALL, head_dim=32, vocab_size=vocab, tie_word_embeddings=True)
     if name == "qwen3_moe":
@@ -72,7 +72,6 @@ def verifier_config(name: str, vocab: int):
 
 
 FAMILIES = {  # family -> (the draft's attention, extraction's backend)
-    "mistral": ("llama", "vllm"),
     "qwen3": ("llama", "vllm"),
     "qwen3_moe": ("llama", "vllm"),
     "gpt_oss": ("llama", "vllm"),
@@ -80,7 +79,7 @@ FAMILIES = {  # family -> (the draft's attention, extraction's backend)
     "kimi_k25": ("mla", "vllm"),  # the multimodal wrapper around DeepSeek-V3, as Kimi-K2.5 ships
     "gemma3": ("llama", "transformers"),  # vLLM's Gemma3 returns no auxiliary hidden states
 }
-SERVED = ["qwen3", "gpt_oss", "kimi_k25"]
+SERVED = ["qwen3", "kimi_k25"]
 KIMI_K25 = ROOT / "tests/data/kimi_k25_config.json"
 KIMI_K25_PREPROCESSOR = ROOT / "tests/data/kimi_k25_preprocessor_config.json"
 
@@ -288,7 +287,7 @@ def test_a_family_vllm_cannot_serve_a_draft_for_is_refused_at_dry_run(family, tm
     """Gemma3: the installed vLLM's Gemma3 model has no EAGLE-3 interface (its registry says so,
     without loading weights), so neither extraction with vLLM nor evaluation can run: the
     dry-run stops in seconds, naming the verifier's architecture and the stage."""
-    from tests.workflow_runner import copy_workflow, snakemake
+    from tests.workflow_runner import copy_workflow, snakemake, write_config
 
     _, verifier, _, _, _ = family
     chats = tmp_path / "chats.jsonl"
@@ -296,9 +295,10 @@ def test_a_family_vllm_cannot_serve_a_draft_for_is_refused_at_dry_run(family, tm
                                               {"role": "assistant", "content": "hello"}]}) + "\n")  # fmt: skip
     config = {"verifier": str(verifier), "chat_data": str(chats), "eval_prompts": str(chats),
               "evaluate": {"max_model_len_tokens": 512}}  # fmt: skip
+    work = copy_workflow(tmp_path / "wf")  # one directory: the registry is asked once
     for backend, stage in (("vllm", "extract"), ("transformers", "evaluate")):
         extract = {"backend": backend, "aux_layer_ids": AUX, "max_model_len_tokens": 512}
-        work = copy_workflow(tmp_path / backend, {**config, "extract": extract})
+        write_config(work, {**config, "extract": extract})
         proc = snakemake(work, "-n", "draft_ckpt", check=False)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0, out[-3000:]

@@ -1,13 +1,14 @@
 """The whole workflow end to end with real vLLM: the full-size embedded default's evaluation
 (quality, greedy losslessness, tensor-parallel workers), and on the mechanics build (every stage,
-regeneration on) the report, float8 shards, and what a dry-run on the command line plans after
-real edits. tests/test_reruns.py checks every setting and module the same way, in-process."""
+regeneration on) the report, reasoning and tool-call data to a served draft, and what a dry-run
+on the command line plans after real edits. tests/test_reruns.py checks every setting and module
+the same way, in-process; float8 shards are tests/test_storage.py's (extracted, sized, trained
+on)."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -181,26 +182,6 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
             )
         expected = out[0, len(ids) :].tolist()
         assert [t for t in got if t not in stops] == [t for t in expected if t not in stops]
-
-
-def test_float8_storage_builds_to_a_draft(mechanics_build, tmp_path):
-    """extract.storage_dtype float8_e4m3fn, on a copy of the mechanics build: the shards take about
-    a quarter of float32's bytes, training reads them, a draft results."""
-    work, config = mechanics_build
-    copy = tmp_path / "wf"
-    shutil.copytree(work, copy, symlinks=True)
-    with_config(copy, config, extract={"storage_dtype": "float8_e4m3fn"})
-    assert planned(copy, "draft_ckpt") == {"extract": 1, "extract_merge": 1, "train": 1}
-    snakemake(copy, "--cores", "2", "draft_ckpt")
-    manifest = json.loads((copy / "results/extract/manifest.json").read_text())
-    before = json.loads((work / "results/extract/manifest.json").read_text())
-    assert manifest["storage_dtype"] == "float8_e4m3fn" and before["storage_dtype"] == "float32"
-    disk = manifest["disk"]
-    assert disk["by_storage_dtype"]["float32"]["bytes"] == before["bytes"]
-    assert 0.25 < manifest["bytes"] / before["bytes"] < 0.3
-    assert 0 < disk["final_rows"] < manifest["num_tokens"] and disk["final_rows_saved_bytes"] > 0
-    assert (copy / "results/train/draft/model.safetensors").is_file()
-    assert planned(copy, "draft_ckpt") == {}
 
 
 def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):

@@ -152,3 +152,35 @@ def test_scaled_logits_are_the_models():
                  num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     cfg = GraniteConfig(**small, logits_scaling=4.0)
     hf_head_matches_teacher(GraniteForCausalLM(cfg).eval(), cfg.to_dict())
+
+
+# what the installed vLLM's registry says of each family (the README's table), asked as the
+# dry-run asks it: a child process, no weights
+REGISTRY = {
+    "LlamaForCausalLM": True,
+    "MistralForCausalLM": True,
+    "Qwen3ForCausalLM": True,
+    "Qwen3MoeForCausalLM": True,
+    "GptOssForCausalLM": True,
+    "DeepseekV3ForCausalLM": True,
+    "KimiK25ForConditionalGeneration": True,
+    "Gemma3ForCausalLM": False,
+    "Gemma2ForCausalLM": False,
+    "Glm4MoeForCausalLM": False,
+    "CohereForCausalLM": False,
+}
+
+
+@pytest.mark.engine
+def test_the_registry_says_which_families_have_eagle3_states():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.lib.vllm_support", *REGISTRY],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {arch: a["known"] for arch, a in answers.items()} == dict.fromkeys(REGISTRY, True)
+    assert {arch: a["eagle3"] for arch, a in answers.items()} == REGISTRY
