@@ -6,13 +6,10 @@ module's tests end. Needs root: skipped for a non-root user outside CI, an error
 
 The workflow runs through `snakemake --profile P draft_ckpt`, P being profiles/slurm with
 tests/slurm/profile-overrides.yaml merged over it, on a copy of the session's mechanics build
-(conftest.py) with extraction split over two jobs: the GPU rules (extraction, training) and CPU
-rules (the vocab map, forced, and the merge) each run as SLURM jobs. The extraction jobs find
-their shards done (a job count computes nothing again) and training runs its few steps: what is
-checked here is where and how each job runs; the engines themselves are the other modules'
-tests. The checks read SLURM's own records (`scontrol show job`, polled while the run goes on,
-since a finished job no longer shows its GPU indices) and hold them against what each job
-logged.
+(conftest.py) with extraction split over two jobs of new shards: the GPU rules (extraction,
+training) and CPU rules (the vocab map, forced, and the merge) each run as SLURM jobs. The checks
+read SLURM's own records (`scontrol show job`, polled while the run goes on, since a finished job
+no longer shows its GPU indices) and hold them against what each job logged.
 
 The cluster is started once per session and stopped when the session ends: while it runs,
 `scontrol` answers at once (Snakemake's SLURM plugin asks it for its settings whenever Snakemake
@@ -41,12 +38,12 @@ pytestmark = pytest.mark.workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_DIR = ROOT / "tests" / "slurm"
-RUN_TIMEOUT_S = 30 * 60  # a hard stop; the run takes about 1.5 minutes on 2 cores
+RUN_TIMEOUT_S = 30 * 60  # a hard stop; the run takes about 2 minutes on 2 cores
 
-# Over the mechanics build's config: extraction as two jobs (each reruns, and finds its shards
-# done); the vocab map is forced (a CPU rule), hence training.
+# Over the mechanics build's config: extraction as two jobs, into shards of another size (new
+# shards, computed), hence a new manifest and training; the vocab map is forced (a CPU rule).
 # The point is where and how each job runs, not the quality of the verifier or the draft.
-CHANGES = {"extract": {"num_jobs": 2, "use_gpus": False}}
+CHANGES = {"extract": {"num_jobs": 2, "use_gpus": False, "shard_size_samples": 64}}
 FORCED = ["vocab"]
 RULES_RUN = {"vocab": 1, "extract": 2, "extract_merge": 1, "train": 1}
 # GPU jobs and the GPUs that tests/slurm/profile-overrides.yaml asks SLURM for
@@ -302,9 +299,9 @@ def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(
             print(f"  {rule:14} SLURM job {job_id:>4} {rec['StartTime']} .. {rec['EndTime']}")
     # each rule's job ran as a SLURM job of its own; extraction as two
     assert {rule: len(ids) for rule, ids in by_rule.items()} == RULES_RUN, by_rule
-    for job in range(2):  # each extraction job ran its own part, found done
+    for job in range(2):  # new shards: each extraction job loaded the model and computed some
         text = (workdir / "results" / "logs" / "extract" / f"job_{job}.log").read_text()
-        assert "nothing to compute: the model is not loaded" in text, text[-3000:]
+        assert "nothing to compute" not in text and "0 finished already" in text, text[-3000:]
 
     # what each job logged about its devices
     logged = _launcher_lines(workdir / "results" / "logs")
