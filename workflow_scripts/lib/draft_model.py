@@ -388,7 +388,8 @@ class Eagle3Draft(nn.Module):
         draft_lp = F.log_softmax(self.lm_head(self.norm(draft_states)).float(), dim=-1)
         p = target.exp()
         kl = (p * (target - draft_lp)).sum(-1)
-        value = objective_value(objective, kl, p, draft_lp.exp(), lk_eta)
+        q = None if objective == "kl" else draft_lp.exp()  # the KL needs no q of its own
+        value = objective_value(objective, kl, p, q, lk_eta)
         with torch.no_grad():
             top1 = draft_lp.argmax(-1)
             right = (top1 == target.argmax(-1)).sum()

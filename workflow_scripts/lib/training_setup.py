@@ -49,8 +49,9 @@ def make_optimizer(model: Eagle3Draft, p: TrainParams) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
             [q for _, q in params], lr=p.learning_rate, weight_decay=p.weight_decay
         )
-    matrices = [q for n, q in params if q.ndim == 2 and not n.startswith("lm_head.")]
-    rest = [q for n, q in params if not (q.ndim == 2 and not n.startswith("lm_head."))]
+    is_matrix = {n: q.ndim == 2 and not n.startswith("lm_head.") for n, q in params}
+    matrices = [q for n, q in params if is_matrix[n]]
+    rest = [q for n, q in params if not is_matrix[n]]
     return CombinedOptimizer(
         [
             torch.optim.Muon(
@@ -183,36 +184,30 @@ def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO
     """The draft checkpoint vLLM serves (speculators format, see checkpoint.py)."""
     vcfg = inputs.verifier_cfg
     dtype = vcfg.get("torch_dtype") or vcfg.get("dtype")
-    if model.cfg.attention == "mla":
-        config = mla_draft_config(
-            layer_config={
-                k: v for k, v in model.cfg.layer_config.items() if k != "num_aux_hidden_states"
-            },
-            draft_vocab_size=inputs.d2t.numel(),
-            aux_layer_ids=inputs.aux_layer_ids,
-            num_speculative_tokens=p.num_speculative_tokens,
-            verifier_name_or_path=str(Path(io.verifier).resolve()),
-            verifier_architectures=vcfg.get("architectures"),
-            norm_before_residual=model.cfg.norm_before_residual,
-            norm_output=model.cfg.norm_output,
-            dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
-        )
-        weights = model.checkpoint_state_dict()
-        write_draft_checkpoint(directory, weights, config, inputs.d2t, inputs.t2d)
-        return
-    config = speculators_config(
-        layer_config=model.cfg.layer_config,
+    common = dict(
         draft_vocab_size=inputs.d2t.numel(),
         aux_layer_ids=inputs.aux_layer_ids,
         num_speculative_tokens=p.num_speculative_tokens,
         verifier_name_or_path=str(Path(io.verifier).resolve()),
         verifier_architectures=vcfg.get("architectures"),
         norm_before_residual=model.cfg.norm_before_residual,
-        norm_before_fc=model.cfg.norm_before_fc,
         norm_output=model.cfg.norm_output,
-        fc_norm=model.cfg.fc_norm,
         dtype=dtype if dtype in ("bfloat16", "float16") else "float32",
     )
+    if model.cfg.attention == "mla":
+        config = mla_draft_config(
+            layer_config={
+                k: v for k, v in model.cfg.layer_config.items() if k != "num_aux_hidden_states"
+            },
+            **common,
+        )
+    else:
+        config = speculators_config(
+            layer_config=model.cfg.layer_config,
+            norm_before_fc=model.cfg.norm_before_fc,
+            fc_norm=model.cfg.fc_norm,
+            **common,
+        )
     write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)
 
 
