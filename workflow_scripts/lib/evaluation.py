@@ -1,6 +1,7 @@
 """Evaluation, everything but the entry: the held-out prompts, one vLLM engine per speculator
-run in a child process of its own, the figures read from vLLM's own counters, and per prompt
-(vLLM's per-request speculative-decoding metrics) a bootstrap confidence interval over prompts.
+run in a child process of its own (on the CPU forked from a server that imported vLLM once), the
+figures read from vLLM's own counters, and per prompt (vLLM's per-request speculative-decoding
+metrics) a bootstrap confidence interval over prompts.
 """
 
 from __future__ import annotations
@@ -173,9 +174,20 @@ def simulated_acceptance(metrics_path: Path, k: int) -> dict[str, Any] | None:
     }
 
 
+def child_context(use_gpus: bool):
+    """How each engine's process starts. On GPUs: spawned, a fresh interpreter whose exit frees
+    its devices. On the CPU: forked from a server process that imported vLLM once (seconds per
+    engine otherwise), and that has started no engine, thread or device itself."""
+    if use_gpus:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm", __name__])
+    return ctx
+
+
 def run_in_child(job: dict[str, Any], scratch: Path, name: str) -> dict[str, Any]:
     out = scratch / f"{name}.json"
-    proc = mp.get_context("spawn").Process(target=run_engine, args=(job, str(out)))
+    proc = child_context(job["use_gpus"]).Process(target=run_engine, args=(job, str(out)))
     log.info("evaluate: starting engine '%s'", name)
     start = time.perf_counter()
     proc.start()

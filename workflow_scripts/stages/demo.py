@@ -56,9 +56,10 @@ log = logging.getLogger("eagle3")
 
 def main() -> None:
     io, p = cli.parse("demo")
-    # Threads that wait passively: with active waiting (the OpenMP default), a CPU shared with
-    # other jobs made training several times slower than with one thread.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's default wait policy (threads spin a while at each barrier, then sleep): the rule
+    # reserves all of the workflow's cores for this job, and alone on them training is 1.5x as
+    # fast as with threads that sleep at once (benchmarks/bench_demo_threads.py). On cores shared
+    # with other processes, spinning makes it several times slower: OMP_WAIT_POLICY=PASSIVE.
     import torch
 
     for path in (io.verifier, io.chat_data, io.eval_prompts):
