@@ -20,6 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.processes import kill_when
+from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, planned, snakemake
 from workflow_scripts.lib import cli
@@ -125,13 +126,9 @@ def command(p: ExtractParams, f: dict) -> list[str]:
 def run_job(
     p: ExtractParams, f: dict, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        command(p, f),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+    args = shlex.split(cli.render("extract", p, f))
+    proc = run_stage(
+        "workflow_scripts.stages.extract", args, ROOT, {**os.environ, **(env or {})}, timeout
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc

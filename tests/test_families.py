@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.train_data_for_tests import TrainInputs, write_vocab_map
 from workflow_scripts.lib import cli
@@ -148,10 +149,7 @@ def extract(verifier: Path, tokenized: Path, out: Path, backend: str) -> Path:
     files = {"tokenized": tokenized, "verifier": verifier, "shard_dir": out / "shards",
              "job_index": 0, "part": out / "parts" / "part_0.json"}  # fmt: skip
     args = shlex.split(cli.render("extract", p, files))
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.stages.extract", *args],
-        cwd=out.parent, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = run_stage("workflow_scripts.stages.extract", args, out.parent)
     assert proc.returncode == 0, proc.stderr[-6000:]
     part = out / "parts" / "part_0.json"
     manifest = merge_parts([(part, json.loads(part.read_text()))], out / "manifest.json")

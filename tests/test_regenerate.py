@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.conftest import ROOT
 from tests.processes import kill_when
+from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib import cli, regeneration
 from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
@@ -341,9 +342,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run(module: str, args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    proc = run_stage(module, args, ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
 
