@@ -6,7 +6,9 @@ spends about 10 s importing them, more than many of these runs take.
 The server imports modules only (no engine, thread pool or device is started), so each run
 starts as a fresh process would, except that OpenMP reads its environment when torch loads:
 OMP_* variables given in ``env`` do not reach it (the stages set their threads themselves).
-Tests that kill a job, or that watch its output while it runs, start a real interpreter.
+Tests that kill a job, or that watch its output while it runs, start a real interpreter; so do
+scripts run by path (a test's serving script: vLLM's engine process, started from such a script
+forked here, did not come up within 10 minutes).
 """
 
 from __future__ import annotations
