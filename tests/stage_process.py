@@ -42,35 +42,22 @@ def _main(module: str, args: list[str], cwd: str, env: dict, out: str, err: str)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-class StageRun:
-    """One run, started; ``wait`` returns it as ``subprocess.run`` would have."""
-
-    def __init__(self, module: str, args: list[str], cwd: Path, env: dict | None = None):
-        self.cmd = [sys.executable, "-m", module, *args]
-        self._tmp = tempfile.TemporaryDirectory()
-        self.out, self.err = Path(self._tmp.name, "stdout"), Path(self._tmp.name, "stderr")
-        env = dict(os.environ if env is None else env)
-        self.proc = _context().Process(
-            target=_main, args=(module, list(args), str(cwd), env, str(self.out), str(self.err))
-        )
-        self.proc.start()
-
-    def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
-        try:
-            self.proc.join(timeout)
-            out, err = self.out.read_text(), self.err.read_text()
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
-                raise subprocess.TimeoutExpired(self.cmd, timeout, out, err)
-            return subprocess.CompletedProcess(self.cmd, self.proc.exitcode, out, err)
-        finally:
-            self._tmp.cleanup()
-
-
 def run_stage(
     module: str, args: list[str], cwd: Path, env: dict | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """``module`` run with ``args`` in ``cwd`` under ``env`` (default: this process's
-    environment), to its end."""
-    return StageRun(module, args, cwd, env).wait(timeout)
+    environment), to its end, returned as ``subprocess.run`` returns it."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = _context().Process(
+            target=_main, args=(module, list(args), str(cwd), env, str(out), str(err))
+        )
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(cmd, proc.exitcode, out.read_text(), err.read_text())

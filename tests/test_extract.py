@@ -114,22 +114,17 @@ def files(root: Path, verifier: Path, tokenized: Path, out: Path, job: int) -> d
     }
 
 
+ENTRY = "workflow_scripts.stages.extract"
+
+
 def command(p: ExtractParams, f: dict) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "workflow_scripts.stages.extract",
-        *shlex.split(cli.render("extract", p, f)),
-    ]
+    return [sys.executable, "-m", ENTRY, *shlex.split(cli.render("extract", p, f))]
 
 
 def run_job(
     p: ExtractParams, f: dict, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    args = shlex.split(cli.render("extract", p, f))
-    proc = run_stage(
-        "workflow_scripts.stages.extract", args, ROOT, {**os.environ, **(env or {})}, timeout
-    )
+    proc = run_stage(ENTRY, command(p, f)[3:], ROOT, {**os.environ, **(env or {})}, timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
 
