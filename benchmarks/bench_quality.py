@@ -1,30 +1,32 @@
-"""The recipe, measured: one draft per variant on the quality benchmark (config.quality.yaml),
-the same data and steps, scored by vLLM (greedy, mean acceptance length with a 95% bootstrap
-interval over prompts, and per position), side by side with training's simulation.
+"""The recipe, measured: drafts of each variant, 3 training seeds each, on the quality benchmark
+(config.quality.yaml: the verifier's own greedy answers, several hundred held-out prompts),
+scored by vLLM (greedy; mean acceptance length, per position), each variant against today's
+recipe as a paired difference over the same prompts with a bootstrap interval.
 
-    .venv/bin/python benchmarks/bench_quality.py                    # every variant
-    .venv/bin/python benchmarks/bench_quality.py --only baseline aux_noise_0.05
-    .venv/bin/python benchmarks/bench_quality.py --table            # the table of what is done
+    .venv/bin/python benchmarks/bench_quality.py                      # DEFAULT's, 3 seeds
+    .venv/bin/python benchmarks/bench_quality.py --only baseline lk_hybrid
+    .venv/bin/python benchmarks/bench_quality.py --table              # the table of what is done
 
-All variants run in one Snakemake working directory (--workdir), one after the other, as a user
-would change the config: the workflow reruns exactly what a variant changes (a train setting:
-train and evaluate; the draft vocabulary: vocab, train, evaluate; a storage dtype: extract too;
-regeneration: everything after the demo), and reuses the rest (the verifier, the data, the
-shards). They run in the order of VARIANTS, the most telling first. Each variant's evaluation
-and training metrics are kept under <workdir>/bench/<variant>/, and a variant done before is not
-run again (delete its directory to redo it), so an interrupted benchmark goes on where it stopped.
-The baseline is trained with three seeds: the spread of their acceptance lengths is the
-run-to-run noise each effect is set against (and so is the largest training-only effect, to tell
-it from that noise).
+All runs share one Snakemake working directory (--workdir), one after the other, as a user would
+change the config: the workflow reruns exactly what a run changes (a train setting: train and
+evaluate), and reuses the rest (the verifier, the regenerated answers, the shards). Each run's
+evaluation and training metrics are kept under <workdir>/bench/<variant>@<seed>/; a run done
+before is not run again (delete its directory to redo it), so an interrupted benchmark goes on
+where it stopped, and the table says how long the runs took.
 
-Prints a Markdown table (also written to <workdir>/bench/table.md): mean acceptance length [95%
-interval], the change against the baseline's seed 0, acceptance per position, training's
-simulated acceptance length, and for storage dtypes the bytes per token against float32.
+The table (also written to <workdir>/bench/table.md), per variant over its seeds: the mean
+acceptance length and its range over the seeds (the run-to-run noise of training), the mean
+per position, training's simulated acceptance length, n-gram's, and against the baseline the
+paired difference: the acceptance length of all of the variant's runs pooled minus the
+baseline's, on the same prompts, with a 95% bootstrap interval over prompts (prompts resampled
+with replacement, the same for both). A variant is better beyond noise when that interval is
+above 0 and the difference is larger than both seed ranges.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import shutil
@@ -33,74 +35,84 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+SEEDS = (0, 1, 2)
+RESAMPLES = 2000
 
-# name -> (what it changes, config override); in the order they run
+# The speculators 0.9 EAGLE-3 defaults, as settings of this workflow: Muon on the weight matrices
+# (lr 1e-3, momentum 0.95, weight decay 0.1), AdamW (lr 1e-4, weight decay 0.01) on the rest; a
+# linear schedule with 1% warm-up, down to 0; norm_before_fc and norm_output; the lm_head frozen at
+# the verifier's rows; the final norm started at ones; 8,192 tokens per micro-batch (its packed
+# rows); the checkpoint with the lowest validation loss. Its 20 epochs are not copied: every
+# variant trains as many steps' worth of data as the baseline (the epochs variant is the length).
+SPECULATORS = {
+    "optimizer": "muon",
+    "muon_learning_rate": 1e-3,
+    "muon_momentum": 0.95,
+    "muon_weight_decay": 0.1,
+    "learning_rate": 1e-4,
+    "weight_decay": 0.01,
+    "lr_schedule": "linear",
+    "min_lr_ratio": 0.0,
+    "warmup_steps": 4,  # 1% of its about 410 steps (the baseline's 4 epochs at 8,192 tokens)
+    "norm_before_fc": True,
+    "norm_output": True,
+    "freeze_lm_head": True,
+    "final_norm_init": "ones",
+    "micro_batch_budget_tokens": 8192,
+    "select_by": "validation_loss",
+}
+
+# name -> (what it changes, the settings it changes by config section); in the order they run.
+# A train setting reruns train and evaluate; a storage dtype extract too (and the next run again).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "baseline": ("today's recipe (config.quality.yaml)", {}),
-    "baseline_seed1": ("train.seed: 1", {"train": {"seed": 1}}),
-    "storage_float8": (
-        "extract.storage_dtype: float8_e4m3fn",
-        {"extract": {"storage_dtype": "float8_e4m3fn"}},
+    "lk_hybrid": ("train.loss: lk_hybrid (LK losses, eta 3)", {"train": {"loss": "lk_hybrid"}}),
+    "tv": ("train.loss: tv (total variation)", {"train": {"loss": "tv"}}),
+    "fc_norm": (
+        "train.fc_norm: true (vLLM's EAGLE-3.1 per-layer norms)",
+        {"train": {"fc_norm": True}},
+    ),
+    "epochs_2x": ("train.epochs: 8 (the same data twice as long)", {"train": {"epochs": 8}}),
+    "speculators": ("speculators 0.9's EAGLE-3 recipe (see SPECULATORS)", {"train": SPECULATORS}),
+    "muon": (
+        "train.optimizer: muon (lr 1e-3) with AdamW on the rest",
+        {"train": {"optimizer": "muon"}},
+    ),
+    "frozen_lm_head": ("train.freeze_lm_head: true", {"train": {"freeze_lm_head": True}}),
+    "eagle3.1_norms": (
+        "train.norm_before_fc and train.norm_output: true",
+        {"train": {"norm_before_fc": True, "norm_output": True}},
     ),
     "storage_bfloat16": (
         "extract.storage_dtype: bfloat16",
         {"extract": {"storage_dtype": "bfloat16"}},
     ),
-    "aux_noise_0.05": ("train.aux_noise: 0.05", {"train": {"aux_noise": 0.05}}),
-    "loss_top1_in_vocab": (
-        "train.loss_positions: verifier_top1_in_draft_vocab",
-        {"train": {"loss_positions": "verifier_top1_in_draft_vocab"}},
-    ),
-    "eagle3.1_norms": (
-        "train.norm_before_fc and train.norm_output: true",
-        {"train": {"norm_before_fc": True, "norm_output": True}},
-    ),
-    "step_decay_0.8": ("train.ttt_step_loss_decay: 0.8", {"train": {"ttt_step_loss_decay": 0.8}}),
-    "ttt_steps_7": ("train.ttt_steps: 7", {"train": {"ttt_steps": 7}}),
-    "draft_vocab_512": ("vocab.draft_vocab_size: 512", {"vocab": {"draft_vocab_size": 512}}),
-    "draft_vocab_2048": (
-        "vocab.draft_vocab_size: 2048 (the whole vocabulary)",
-        {"vocab": {"draft_vocab_size": 2048}},
-    ),
-    "baseline_seed2": ("train.seed: 2", {"train": {"seed": 2}}),
-    "norm_before_fc": ("train.norm_before_fc: true", {"train": {"norm_before_fc": True}}),
-    "norm_output": ("train.norm_output: true", {"train": {"norm_output": True}}),
-    "regenerate_greedy": (
-        "regenerate.enabled: true (greedy answers)",
-        {"regenerate": {"enabled": True, "temperature": 0.0}},
-    ),
-    "regenerate_sampled": (
-        "regenerate.enabled: true, temperature 1.0",
-        {"regenerate": {"enabled": True, "temperature": 1.0}},
-    ),
-    # the largest training-only effect above, tried with two more seeds
-    "norm_output_seed1": (
-        "train.norm_output: true, train.seed: 1",
-        {"train": {"norm_output": True, "seed": 1}},
-    ),
-    "norm_output_seed2": (
-        "train.norm_output: true, train.seed: 2",
-        {"train": {"norm_output": True, "seed": 2}},
+    "storage_float8": (
+        "extract.storage_dtype: float8_e4m3fn",
+        {"extract": {"storage_dtype": "float8_e4m3fn"}},
     ),
 }
-# the variants run with train.seed 0, 1, 2 (<name>, <name>_seed1, <name>_seed2): the spread of
-# each group is the run-to-run noise
-SEEDS = {
-    name: (name, f"{name}_seed1", f"{name}_seed2")
-    for name in VARIANTS
-    if f"{name}_seed1" in VARIANTS
-}
+# what a plain run measures (the rest, parts of the speculators recipe, with --only)
+DEFAULT = ("baseline", "lk_hybrid", "tv", "fc_norm", "epochs_2x", "speculators")
 
 
-def run_variant(workdir: Path, configfile: Path, name: str, cores: str) -> dict:
-    """Runs the workflow's evaluate target with the variant's settings; keeps its outputs."""
+def run_name(variant: str, seed: int) -> str:
+    return f"{variant}@{seed}"
+
+
+def run_once(workdir: Path, configfile: Path, variant: str, seed: int, cores: str) -> Path:
+    """The workflow's evaluate target with the variant's settings and seed; keeps its outputs."""
+    name = run_name(variant, seed)
     out = workdir / "bench" / name
     override = workdir / "bench" / f"{name}.yaml"
     override.parent.mkdir(parents=True, exist_ok=True)
-    override.write_text(yaml.safe_dump(VARIANTS[name][1] or {"train": {}}))
+    settings = dict(VARIANTS[variant][1])
+    settings["train"] = {**settings.get("train", {}), "seed": seed}
+    override.write_text(yaml.safe_dump(settings))
     cmd = [
         str(Path(sys.executable).parent / "snakemake"),
         "evaluate",
@@ -123,62 +135,125 @@ def run_variant(workdir: Path, configfile: Path, name: str, cores: str) -> dict:
     tmp.mkdir(parents=True)
     shutil.copy(results_dir / "evaluate" / "results.json", tmp / "results.json")
     shutil.copy(results_dir / "train" / "metrics.jsonl", tmp / "metrics.jsonl")
-    shutil.copy(results_dir / "extract" / "manifest.json", tmp / "manifest.json")
     (tmp / "wall_s").write_text(f"{time.monotonic() - start:.0f}\n")
+    # what a run of a train setting costs (the first run's wall time includes the stages before)
+    stages_s = sum(stage_seconds(results_dir, rule) for rule in ("train", "evaluate"))
+    (tmp / "train_evaluate_s").write_text(f"{stages_s:.0f}\n")
     tmp.rename(out)
     print(f"[{name}] done in {time.monotonic() - start:.0f}s", flush=True)
-    return load(out)
+    return out
 
 
-def load(out: Path) -> dict:
-    results = json.loads((out / "results.json").read_text())
-    manifest = json.loads((out / "manifest.json").read_text())
-    return {"results": results, "disk": manifest.get("disk") or {}}
+def stage_seconds(results_dir: Path, rule: str) -> float:
+    """The wall time of the rule's last job, from its Snakemake benchmark file."""
+    with (results_dir / "benchmarks" / f"{rule}.tsv").open() as f:
+        return float(next(csv.DictReader(f, delimiter="\t"))["s"])
 
 
-def bytes_vs_float32(disk: dict) -> str:
-    """The shards' bytes against float32's (the manifest's disk section)."""
-    entry = (disk.get("by_storage_dtype") or {}).get(disk.get("storage_dtype"))
-    return f"{entry['vs_float32']:.3f}" if entry else ""
+def histograms(results: dict, run: str = "eagle3") -> np.ndarray:
+    """[prompts, k + 1] vLLM's per-prompt acceptance histograms (verify steps that accepted 0..k
+    draft tokens), in the prompts' order."""
+    return np.array(
+        [
+            h or [0] * (results["num_speculative_tokens"] + 1)
+            for h in results["runs"][run]["acceptance_histograms"]
+        ],
+        dtype=np.float64,
+    )
 
 
-def table(done: dict[str, dict]) -> str:
-    def eagle(name):
-        return done[name]["results"]["runs"]["eagle3"]
+def pooled_length(hists: list[np.ndarray], pick: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """Mean acceptance length pooled over runs and the prompts ``pick`` ([R, P] for R resamples:
+    one length each), as vLLM's counters pool them: 1 + accepted drafts / verify steps."""
+    k = hists[0].shape[1] - 1
+    weights = np.arange(k + 1)
+    accepted = sum((h @ weights)[pick].sum(-1) for h in hists)
+    steps = sum(h.sum(1)[pick].sum(-1) for h in hists)
+    return 1 + accepted / steps
 
-    base = eagle("baseline")["mean_acceptance_length"] if "baseline" in done else None
+
+def paired_difference(a: list[np.ndarray], b: list[np.ndarray], seed: int = 0):
+    """Pooled acceptance length of runs ``a`` minus runs ``b`` on the same prompts, and its 95%
+    bootstrap interval (prompts resampled with replacement, the same draw for both)."""
+    prompts = a[0].shape[0]
+    pick = np.random.default_rng(seed).integers(0, prompts, size=(RESAMPLES, prompts))
+    diff = pooled_length(a) - pooled_length(b)
+    boot = pooled_length(a, pick) - pooled_length(b, pick)
+    return float(diff), [float(v) for v in np.percentile(boot, [2.5, 97.5])]
+
+
+def load_runs(bench: Path) -> dict[str, dict[int, dict]]:
+    done: dict[str, dict[int, dict]] = {}
+    for variant in VARIANTS:
+        for seed in SEEDS:
+            out = bench / run_name(variant, seed)
+            if (out / "results.json").is_file():
+                done.setdefault(variant, {})[seed] = {
+                    "results": json.loads((out / "results.json").read_text()),
+                    "wall_s": float((out / "wall_s").read_text()),
+                    "stages_s": float((out / "train_evaluate_s").read_text()),
+                }
+    return done
+
+
+def table(done: dict[str, dict[int, dict]]) -> str:
     lines = [
-        "| variant | setting | acceptance length [95% CI] | vs baseline | per position "
-        "| simulated | n-gram | bytes/token vs float32 |",
+        "| variant | setting | seeds | acceptance length, mean (range) | per position "
+        "| simulated | vs baseline, paired [95% CI] | beyond noise |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name in VARIANTS:
-        if name not in done:
-            continue
-        run = eagle(name)
-        per_prompt = run.get("per_prompt", {})
-        lo, hi = per_prompt.get("mean_acceptance_length_ci95") or (float("nan"),) * 2
-        length = run["mean_acceptance_length"]
-        rates = " / ".join(f"{r:.3f}" for r in run["acceptance_rate_per_position"])
-        summary = done[name]["results"]["summary"]
-        simulated = summary.get("eagle3_simulated_acceptance_length")
-        delta = f"{length - base:+.3f}" if base is not None else ""
+    base = done.get("baseline", {})
+    base_h = [histograms(r["results"]) for r in base.values()]
+    base_range = (
+        max(r["results"]["summary"]["eagle3_mean_acceptance_length"] for r in base.values())
+        - min(r["results"]["summary"]["eagle3_mean_acceptance_length"] for r in base.values())
+        if base
+        else None
+    )
+    ngram = []
+    wall = stages = 0.0
+    for variant, runs in done.items():
+        results = [r["results"] for r in runs.values()]
+        wall += sum(r["wall_s"] for r in runs.values())
+        stages += sum(r["stages_s"] for r in runs.values())
+        lengths = [r["summary"]["eagle3_mean_acceptance_length"] for r in results]
+        simulated = [r["summary"]["eagle3_simulated_acceptance_length"] or 0 for r in results]
+        ngram += [r["summary"]["ngram_mean_acceptance_length"] for r in results]
+        rates = np.mean([r["runs"]["eagle3"]["acceptance_rate_per_position"] for r in results], 0)
+        spread = max(lengths) - min(lengths)
+        vs, beyond = "", ""
+        if variant != "baseline" and base_h:
+            diff, (lo, hi) = paired_difference([histograms(r) for r in results], base_h)
+            vs = f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            noise = max(spread, base_range or 0)
+            beyond = "yes" if (lo > 0 or hi < 0) and abs(diff) > noise else "no"
         lines.append(
-            f"| {name} | {VARIANTS[name][0]} | {length:.3f} [{lo:.3f}, {hi:.3f}] | {delta} "
-            f"| {rates} | {simulated:.3f} | {summary['ngram_mean_acceptance_length']:.3f} "
-            f"| {bytes_vs_float32(done[name]['disk'])} |"
-            if simulated is not None
-            else f"| {name} | {VARIANTS[name][0]} | {length:.3f} [{lo:.3f}, {hi:.3f}] | {delta} "
-            f"| {rates} | | {summary['ngram_mean_acceptance_length']:.3f} | |"
+            f"| {variant} | {VARIANTS[variant][0]} | {len(results)} "
+            f"| {np.mean(lengths):.3f} ({min(lengths):.3f} to {max(lengths):.3f}) "
+            f"| {' / '.join(f'{r:.3f}' for r in rates)} | {np.mean(simulated):.3f} | {vs} "
+            f"| {beyond} |"
         )
-    for group, names in SEEDS.items():
-        seeds = [eagle(s)["mean_acceptance_length"] for s in names if s in done]
-        if len(seeds) > 1:
-            lines.append("")
+    if ngram:
+        runs = sum(len(r) for r in done.values())
+        todo = sum(seed not in done.get(v, {}) for v in DEFAULT for seed in SEEDS)
+        any_run = next(iter(next(iter(done.values())).values()))["results"]
+        ngram_ci = any_run["runs"]["ngram"]["per_prompt"]["mean_acceptance_length_ci95"]
+        lines += [
+            "",
+            f"{any_run['num_prompts']} held-out prompts, {any_run['max_new_tokens']} new tokens, "
+            f"k = {any_run['num_speculative_tokens']}, greedy. n-gram's acceptance length: "
+            f"{min(ngram):.3f} to {max(ngram):.3f} [95% CI {ngram_ci[0]:.3f}, {ngram_ci[1]:.3f}]. "
+            f"{runs} runs, {wall / 3600:.1f} h in all; the {todo} runs of the plain benchmark's "
+            f"{len(DEFAULT)} variants x {len(SEEDS)} seeds not done take about "
+            f"{todo * stages / runs / 3600:.1f} h more (training and evaluation: "
+            f"{stages / runs / 60:.0f} minutes a run).",
+        ]
+        for seed, run in base.items():
+            s = run["results"]["summary"]
+            lo, hi = s["eagle3_mean_acceptance_length_ci95"]
             lines.append(
-                f"{group} over train.seed 0..{len(seeds) - 1}: acceptance length mean "
-                f"{sum(seeds) / len(seeds):.3f}, {min(seeds):.3f} to {max(seeds):.3f} "
-                f"(range {max(seeds) - min(seeds):.3f})."
+                f"baseline@{seed}: {s['eagle3_mean_acceptance_length']:.3f} [95% CI {lo:.3f}, "
+                f"{hi:.3f}], {s['eagle3_over_ngram']:.3f}x n-gram"
             )
     return "\n".join(lines) + "\n"
 
@@ -188,17 +263,18 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench_quality")
     ap.add_argument("--configfile", type=Path, default=ROOT / "config.quality.yaml")
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run only these variants")
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), choices=SEEDS)
     ap.add_argument("--cores", default="all")
     ap.add_argument("--table", action="store_true", help="print the table of what is done")
     args = ap.parse_args()
 
     bench = args.workdir / "bench"
-    done = {n: load(bench / n) for n in VARIANTS if (bench / n / "results.json").is_file()}
     if not args.table:
-        for name in VARIANTS:
-            if (not args.only or name in args.only) and name not in done:
-                done[name] = run_variant(args.workdir, args.configfile, name, args.cores)
-    text = table(done)
+        for seed in args.seeds:  # seed by seed: a first table of every variant comes soonest
+            for variant in args.only or DEFAULT:
+                if not (bench / run_name(variant, seed) / "results.json").is_file():
+                    run_once(args.workdir, args.configfile, variant, seed, args.cores)
+    text = table(load_runs(bench))
     bench.mkdir(parents=True, exist_ok=True)
     (bench / "table.md").write_text(text)
     print(text)

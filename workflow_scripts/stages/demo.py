@@ -17,10 +17,13 @@
 4. Writes the verifier directory (float32 safetensors, config, generation config, tokenizer)
    under a temporary name and renames it when complete.
 
-The tokenizer and the verifier are made in ``lib/demo_verifier.py``. The same seed gives
-byte-identical data and tokenizer files on any machine (for ``package_docs``, with the pinned
-requirements), and an identical verifier directory on the same kind of CPU with the same software
-versions (on this project's machines, also with 1 or 2 threads). The verifier trains on the first
+The tokenizer and the verifier are made in ``lib/demo_verifier.py``; the tokenizer learns
+chat_data's text, or for ``package_docs`` one pass over the training documents (so that
+num_conversations changes the data set, not the verifier). The same seed gives byte-identical
+data and tokenizer files on any machine (for ``package_docs``, with the pinned requirements), and
+an identical verifier directory on a CPU of the same instruction set with the same software
+versions, with 1 or 2 threads (PyTorch's AVX-512 and AVX2 kernels round differently: README,
+"Draft quality"). The verifier trains on the first
 train_steps x train_batch_size_samples conversations of the corpus' stream, which begins with
 chat_data and goes on with fresh conversations (rules) or the training documents again in a new
 order (package_docs), so that it learns the rules or the language rather than the examples.
@@ -78,11 +81,15 @@ def main() -> None:
         threads,
     )
 
+    tokenizer_rows = None  # the tokenizer learns chat_data's text, unless set below
     if p.corpus == "package_docs":
         corpus = DocsCorpus(p.seed, p.corpus_packages)
         log.info("demo: package documentation of %s: %s", p.corpus_packages, corpus.summary())
         make_rows, make_eval = corpus.generate_conversations, corpus.generate_eval_prompts
         stream = corpus.iter_conversations()
+        # the tokenizer learns one pass over the training documents, whatever num_conversations
+        # is: a larger data set gets more answers from the same verifier, not another verifier
+        tokenizer_rows = corpus.generate_conversations(len(corpus.train))
     elif p.corpus == "reasoning_tools":
         make_rows = functools.partial(demo_agentic.generate_conversations, p.seed)
         make_eval = functools.partial(generate_eval_prompts, p.seed)
@@ -96,7 +103,7 @@ def main() -> None:
         eval_rows = make_eval(p.num_eval_prompts)
     except ValueError as exc:
         raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
-    tokenizer = build_tokenizer(rows, p.tokenizer_vocab_size, FORMATS[p.corpus])
+    tokenizer = build_tokenizer(tokenizer_rows or rows, p.tokenizer_vocab_size, FORMATS[p.corpus])
     log.info(
         "demo: generated the data and a tokenizer of %d tokens in %.1fs",
         len(tokenizer),
