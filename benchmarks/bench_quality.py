@@ -196,6 +196,12 @@ def load_runs(bench: Path) -> dict[str, dict[int, dict]]:
     return done
 
 
+def seed_range(runs: dict[int, dict]) -> float:
+    """The range of the runs' mean acceptance lengths over their seeds (training's noise)."""
+    lengths = [r["results"]["summary"]["eagle3_mean_acceptance_length"] for r in runs.values()]
+    return max(lengths) - min(lengths)
+
+
 def table(done: dict[str, dict[int, dict]]) -> str:
     lines = [
         "| variant | setting | seeds | acceptance length, mean (range) | per position "
@@ -204,12 +210,7 @@ def table(done: dict[str, dict[int, dict]]) -> str:
     ]
     base = done.get("baseline", {})
     base_h = [histograms(r["results"]) for r in base.values()]
-    base_range = (
-        max(r["results"]["summary"]["eagle3_mean_acceptance_length"] for r in base.values())
-        - min(r["results"]["summary"]["eagle3_mean_acceptance_length"] for r in base.values())
-        if base
-        else None
-    )
+    base_range = seed_range(base) if base else None
     ngram = []
     wall = stages = 0.0
     for variant, runs in done.items():
@@ -217,10 +218,10 @@ def table(done: dict[str, dict[int, dict]]) -> str:
         wall += sum(r["wall_s"] for r in runs.values())
         stages += sum(r["stages_s"] for r in runs.values())
         lengths = [r["summary"]["eagle3_mean_acceptance_length"] for r in results]
+        spread = seed_range(runs)
         simulated = [r["summary"]["eagle3_simulated_acceptance_length"] or 0 for r in results]
         ngram += [r["summary"]["ngram_mean_acceptance_length"] for r in results]
         rates = np.mean([r["runs"]["eagle3"]["acceptance_rate_per_position"] for r in results], 0)
-        spread = max(lengths) - min(lengths)
         vs, beyond = "", ""
         if variant != "baseline" and base_h:
             diff, (lo, hi) = paired_difference([histograms(r) for r in results], base_h)
