@@ -5,14 +5,18 @@ recipe as a paired difference over the same prompts with a bootstrap interval.
 
     .venv/bin/python benchmarks/bench_quality.py                      # DEFAULT's, 3 seeds
     .venv/bin/python benchmarks/bench_quality.py --only baseline lk_hybrid
+    .venv/bin/python benchmarks/bench_quality.py --lanes 2            # 2 runs at once
     .venv/bin/python benchmarks/bench_quality.py --table              # the table of what is done
 
-All runs share one Snakemake working directory (--workdir), one after the other, as a user would
+Runs share one Snakemake working directory (--workdir), one after the other, as a user would
 change the config: the workflow reruns exactly what a run changes (a train setting: train and
-evaluate), and reuses the rest (the verifier, the regenerated answers, the shards). Each run's
-evaluation and training metrics are kept under <workdir>/bench/<variant>@<seed>/; a run done
-before is not run again (delete its directory to redo it), so an interrupted benchmark goes on
-where it stopped, and the table says how long the runs took.
+evaluate), and reuses the rest (the verifier, the regenerated answers, the shards). With
+--lanes N, N runs go at once, each with its share of --cores, in N working directories: the
+first, then N - 1 copies of it (<workdir>.lane1, ...) made once its first run has built the
+stages they share. Each run's evaluation and training metrics are kept under
+<workdir>/bench/<variant>@<seed>/; a run done before is not run again (delete its directory to
+redo it), so an interrupted benchmark goes on where it stopped, and the table says how long the
+runs took.
 
 The table (also written to <workdir>/bench/table.md), per variant over its seeds: the mean
 acceptance length and its range over the seeds (the run-to-run noise of training), the mean
@@ -32,7 +36,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,11 +110,14 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}@{seed}"
 
 
-def run_once(workdir: Path, configfile: Path, variant: str, seed: int, cores: str) -> Path:
-    """The workflow's evaluate target with the variant's settings and seed; keeps its outputs."""
+def run_once(
+    workdir: Path, bench: Path, configfile: Path, variant: str, seed: int, cores: str, lanes: int
+) -> Path:
+    """The workflow's evaluate target in ``workdir`` with the variant's settings and seed; keeps
+    its outputs under ``bench``. ``lanes``: how many runs go at once (for the time per run)."""
     name = run_name(variant, seed)
-    out = workdir / "bench" / name
-    override = workdir / "bench" / f"{name}.yaml"
+    out = bench / name
+    override = bench / f"{name}.yaml"
     override.parent.mkdir(parents=True, exist_ok=True)
     settings = dict(VARIANTS[variant][1])
     settings["train"] = {**settings.get("train", {}), "seed": seed}
@@ -119,6 +128,7 @@ def run_once(workdir: Path, configfile: Path, variant: str, seed: int, cores: st
         "--snakefile", str(ROOT / "Snakefile"),
         "--directory", str(workdir),
         "--cores", cores,
+        "--rerun-incomplete",  # a run stopped mid-stage is redone, not refused
         # config.yaml first: the Snakefile's own configfile is looked up in the working directory
         "--configfile", str(ROOT / "config.yaml"), str(configfile.resolve()), str(override),
     ]  # fmt: skip
@@ -139,9 +149,50 @@ def run_once(workdir: Path, configfile: Path, variant: str, seed: int, cores: st
     # what a run of a train setting costs (the first run's wall time includes the stages before)
     stages_s = sum(stage_seconds(results_dir, rule) for rule in ("train", "evaluate"))
     (tmp / "train_evaluate_s").write_text(f"{stages_s:.0f}\n")
+    (tmp / "lanes").write_text(f"{lanes}\n")
     tmp.rename(out)
     print(f"[{name}] done in {time.monotonic() - start:.0f}s", flush=True)
     return out
+
+
+def run_all(workdir: Path, configfile: Path, todo: list[tuple[str, int]], cores: str, lanes: int):
+    """The runs ``todo`` in order, ``lanes`` at a time; the first alone in ``workdir`` when no
+    run was done there yet (it builds the stages every run shares), then the copies."""
+    bench = workdir / "bench"
+    if todo and not any(bench.glob("*@*/results.json")):
+        run_once(workdir, bench, configfile, *todo.pop(0), cores, 1)
+    if lanes == 1:
+        for variant, seed in todo:
+            run_once(workdir, bench, configfile, variant, seed, cores, 1)
+        return
+    dirs = [workdir]
+    for i in range(1, lanes):
+        lane = workdir.with_name(f"{workdir.name}.lane{i}")
+        if not lane.exists():  # the built stages, their mtimes and Snakemake's records kept
+            print(f"copying {workdir} to {lane}", flush=True)
+            shutil.copytree(workdir, lane, symlinks=True, ignore=shutil.ignore_patterns("bench"))
+        dirs.append(lane)
+    total = (os.cpu_count() or 1) if cores == "all" else int(cores)
+    share = str(max(1, total // lanes))
+    free, lock = list(dirs), threading.Lock()
+
+    def one(run: tuple[str, int]) -> Path:
+        with lock:
+            lane = free.pop()
+        try:
+            return run_once(lane, bench, configfile, *run, share, lanes)
+        finally:
+            with lock:
+                free.append(lane)
+
+    with ThreadPoolExecutor(lanes) as pool:
+        runs = [pool.submit(one, run) for run in todo]
+        try:
+            for run in runs:
+                run.result()
+        except BaseException:  # a failed run stops the benchmark with its error
+            pool.shutdown(cancel_futures=True)  # the runs under way end, no other starts
+            raise
 
 
 def stage_seconds(results_dir: Path, rule: str) -> float:
@@ -192,6 +243,7 @@ def load_runs(bench: Path) -> dict[str, dict[int, dict]]:
                     "results": json.loads((out / "results.json").read_text()),
                     "wall_s": float((out / "wall_s").read_text()),
                     "stages_s": float((out / "train_evaluate_s").read_text()),
+                    "lanes": int((out / "lanes").read_text()) if (out / "lanes").is_file() else 1,
                 }
     return done
 
@@ -215,8 +267,8 @@ def table(done: dict[str, dict[int, dict]]) -> str:
     wall = stages = 0.0
     for variant, runs in done.items():
         results = [r["results"] for r in runs.values()]
-        wall += sum(r["wall_s"] for r in runs.values())
-        stages += sum(r["stages_s"] for r in runs.values())
+        wall += sum(r["wall_s"] / r["lanes"] for r in runs.values())
+        stages += sum(r["stages_s"] / r["lanes"] for r in runs.values())
         lengths = [r["summary"]["eagle3_mean_acceptance_length"] for r in results]
         spread = seed_range(runs)
         simulated = [r["summary"]["eagle3_simulated_acceptance_length"] or 0 for r in results]
@@ -247,7 +299,7 @@ def table(done: dict[str, dict[int, dict]]) -> str:
             f"{runs} runs, {wall / 3600:.1f} h in all; the {todo} runs of the plain benchmark's "
             f"{len(DEFAULT)} variants x {len(SEEDS)} seeds not done take about "
             f"{todo * stages / runs / 3600:.1f} h more (training and evaluation: "
-            f"{stages / runs / 60:.0f} minutes a run).",
+            f"{stages / runs / 60:.0f} minutes a run; a run of N at once counts 1/N of its time).",
         ]
         for seed, run in base.items():
             s = run["results"]["summary"]
@@ -266,15 +318,22 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run only these variants")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), choices=SEEDS)
     ap.add_argument("--cores", default="all")
+    ap.add_argument(
+        "--lanes", type=int, default=1, help="runs at once, each with its share of --cores"
+    )
     ap.add_argument("--table", action="store_true", help="print the table of what is done")
     args = ap.parse_args()
 
     bench = args.workdir / "bench"
     if not args.table:
-        for seed in args.seeds:  # seed by seed: a first table of every variant comes soonest
-            for variant in args.only or DEFAULT:
-                if not (bench / run_name(variant, seed) / "results.json").is_file():
-                    run_once(args.workdir, args.configfile, variant, seed, args.cores)
+        # seed by seed: a first table of every variant comes soonest
+        todo = [
+            (variant, seed)
+            for seed in args.seeds
+            for variant in args.only or DEFAULT
+            if not (bench / run_name(variant, seed) / "results.json").is_file()
+        ]
+        run_all(args.workdir, args.configfile, todo, args.cores, args.lanes)
     text = table(load_runs(bench))
     bench.mkdir(parents=True, exist_ok=True)
     (bench / "table.md").write_text(text)
