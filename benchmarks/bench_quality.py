@@ -296,10 +296,15 @@ def table(done: dict[str, dict[int, dict]]) -> str:
             f"{any_run['num_prompts']} held-out prompts, {any_run['max_new_tokens']} new tokens, "
             f"k = {any_run['num_speculative_tokens']}, greedy. n-gram's acceptance length: "
             f"{min(ngram):.3f} to {max(ngram):.3f} [95% CI {ngram_ci[0]:.3f}, {ngram_ci[1]:.3f}]. "
-            f"{runs} runs, {wall / 3600:.1f} h in all; the {todo} runs of the plain benchmark's "
-            f"{len(DEFAULT)} variants x {len(SEEDS)} seeds not done take about "
-            f"{todo * stages / runs / 3600:.1f} h more (training and evaluation: "
-            f"{stages / runs / 60:.0f} minutes a run; a run of N at once counts 1/N of its time).",
+            f"{runs} runs, {wall / 3600:.1f} h in all; "
+            + (
+                f"the {todo} runs of the plain benchmark's {len(DEFAULT)} variants x "
+                f"{len(SEEDS)} seeds not done take about {todo * stages / runs / 3600:.1f} h more"
+                if todo
+                else f"the plain benchmark's {len(DEFAULT)} variants x {len(SEEDS)} seeds done"
+            )
+            + f" (training and evaluation: {stages / runs / 60:.0f} minutes a run; a run of N at "
+            "once counts 1/N of its time).",
         ]
         for seed, run in base.items():
             s = run["results"]["summary"]
