@@ -161,10 +161,6 @@ def run_all(workdir: Path, configfile: Path, todo: list[tuple[str, int]], cores:
     bench = workdir / "bench"
     if todo and not any(bench.glob("*@*/results.json")):
         run_once(workdir, bench, configfile, *todo.pop(0), cores, 1)
-    if lanes == 1:
-        for variant, seed in todo:
-            run_once(workdir, bench, configfile, variant, seed, cores, 1)
-        return
     dirs = [workdir]
     for i in range(1, lanes):
         lane = workdir.with_name(f"{workdir.name}.lane{i}")
@@ -173,26 +169,26 @@ def run_all(workdir: Path, configfile: Path, todo: list[tuple[str, int]], cores:
             shutil.copytree(workdir, lane, symlinks=True, ignore=shutil.ignore_patterns("bench"))
         dirs.append(lane)
     total = (os.cpu_count() or 1) if cores == "all" else int(cores)
-    share = str(max(1, total // lanes))
-    free, lock = list(dirs), threading.Lock()
+    share = cores if lanes == 1 else str(max(1, total // lanes))
+    free, lock, failed = list(dirs), threading.Lock(), threading.Event()
 
-    def one(run: tuple[str, int]) -> Path:
+    def one(run: tuple[str, int]) -> Path | None:
+        if failed.is_set():  # a run failed: the runs under way end, no other starts
+            return None
         with lock:
             lane = free.pop()
         try:
             return run_once(lane, bench, configfile, *run, share, lanes)
+        except BaseException:
+            failed.set()
+            raise
         finally:
             with lock:
                 free.append(lane)
 
     with ThreadPoolExecutor(lanes) as pool:
-        runs = [pool.submit(one, run) for run in todo]
-        try:
-            for run in runs:
-                run.result()
-        except BaseException:  # a failed run stops the benchmark with its error
-            pool.shutdown(cancel_futures=True)  # the runs under way end, no other starts
-            raise
+        for run in [pool.submit(one, run) for run in todo]:
+            run.result()  # the first failed run's error stops the benchmark
 
 
 def stage_seconds(results_dir: Path, rule: str) -> float:
@@ -328,6 +324,8 @@ def main() -> None:
     )
     ap.add_argument("--table", action="store_true", help="print the table of what is done")
     args = ap.parse_args()
+    if args.lanes < 1:
+        ap.error(f"--lanes {args.lanes}: at least 1 (the runs at once)")
 
     bench = args.workdir / "bench"
     if not args.table:
