@@ -26,10 +26,10 @@ TRAIN = r"""
 import itertools, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from workflow_scripts.lib import demo_verifier
-from workflow_scripts.lib.definitions import DemoParams
-from workflow_scripts.lib.demo_data import generate_conversations, iter_conversations
-from workflow_scripts.lib.demo_formats import FORMATS
+from workflow_scripts.lib.demo import verifier as demo_verifier
+from workflow_scripts.lib.workflow.definitions import DemoParams
+from workflow_scripts.lib.demo.conversations import generate_conversations, iter_conversations
+from workflow_scripts.lib.demo.formats import FORMATS
 
 torch.set_num_threads(len(os.sched_getaffinity(0)))
 p = DemoParams(train_steps=int(sys.argv[2]))

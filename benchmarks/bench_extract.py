@@ -38,13 +38,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workflow_scripts.lib import engine  # noqa: E402
-from workflow_scripts.lib import extraction_engines as backends  # noqa: E402
-from workflow_scripts.lib.config import load_config  # noqa: E402
-from workflow_scripts.lib.definitions import ExtractParams  # noqa: E402
-from workflow_scripts.lib.manifest import shard_name  # noqa: E402
-from workflow_scripts.lib.shards import TORCH_DTYPES, storage_dtype_name  # noqa: E402
-from workflow_scripts.lib.verifier import aux_layer_ids, verifier_config  # noqa: E402
+from workflow_scripts.lib.hidden_states import engines as backends  # noqa: E402
+from workflow_scripts.lib.hidden_states.manifest import shard_name  # noqa: E402
+from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, storage_dtype_name  # noqa: E402
+from workflow_scripts.lib.verifier import engine  # noqa: E402
+from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config  # noqa: E402
+from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
+from workflow_scripts.lib.workflow.definitions import ExtractParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

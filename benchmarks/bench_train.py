@@ -29,14 +29,17 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workflow_scripts.lib import manifest, shards  # noqa: E402
-from workflow_scripts.lib.definitions import TrainParams  # noqa: E402
-from workflow_scripts.lib.registry import TrainIO  # noqa: E402
-from workflow_scripts.lib.trainer import Trainer  # noqa: E402
-from workflow_scripts.lib.training_data import Loader  # noqa: E402
-from workflow_scripts.lib.training_inputs import check_inputs  # noqa: E402
-from workflow_scripts.lib.training_processes import setup_processes  # noqa: E402
-from workflow_scripts.lib.verifier import identity as verifier_identity  # noqa: E402
+from workflow_scripts.lib.hidden_states import (
+    manifest,  # noqa: E402
+    shards,  # noqa: E402
+)
+from workflow_scripts.lib.training.data import Loader  # noqa: E402
+from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
+from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
+from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
+from workflow_scripts.lib.verifier.files import identity as verifier_identity  # noqa: E402
+from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
+from workflow_scripts.lib.workflow.registry import TrainIO  # noqa: E402
 
 
 def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1024, k=512):

@@ -69,9 +69,9 @@ def peak_bytes(device: str) -> int:
 def run_case(case: dict) -> dict:
     import torch
 
-    from workflow_scripts.lib import draft_model
-    from workflow_scripts.lib.draft_model import DraftConfig, Eagle3Draft, TeacherHead
-    from workflow_scripts.lib.draft_layer_config import llama_layer_config
+    from workflow_scripts.lib.draft import model as draft_model
+    from workflow_scripts.lib.draft.layer_config import llama_layer_config
+    from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft, TeacherHead
 
     torch.manual_seed(0)
     device, n, steps, shape = case["device"], case["tokens"], case["steps"], case["shape"]

@@ -41,7 +41,8 @@ def prepare(out: Path, small: bool) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from workflow_scripts.lib import manifest, shards, verifier
+    from workflow_scripts.lib.hidden_states import manifest, shards
+    from workflow_scripts.lib.verifier import files as verifier_files
 
     s, draft_vocab, tokens = shape(small)
     H, V = s["hidden"], s["vocab"]
@@ -92,7 +93,7 @@ def prepare(out: Path, small: bool) -> None:
         "num_hidden_layers": s["layers"],
         "vocab_size": V,
         "dtype": "bfloat16",
-        "verifier": {"path": str(vdir), **verifier.identity(vdir)},
+        "verifier": {"path": str(vdir), **verifier_files.identity(vdir)},
         "tokenized": {"path": "synthetic", "sha256": "0" * 64},
         "num_samples": SAMPLES,
         "num_tokens": SAMPLES * tokens,
@@ -110,8 +111,8 @@ def prepare(out: Path, small: bool) -> None:
 
 
 def train_args(out: Path, small: bool) -> list[str]:
-    from workflow_scripts.lib import cli
-    from workflow_scripts.lib.definitions import TrainParams
+    from workflow_scripts.lib.workflow import cli
+    from workflow_scripts.lib.workflow.definitions import TrainParams
 
     _, _, tokens = shape(small)
     params = TrainParams(
@@ -160,7 +161,7 @@ def fp8(small: bool) -> None:
 
     import torch
 
-    from workflow_scripts.lib import shards
+    from workflow_scripts.lib.hidden_states import shards
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, _, tokens = shape(small)

@@ -14,15 +14,15 @@ from snakemake.settings.types import DeploymentMethod
 
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
-from workflow_scripts.lib import cli as _cli
-from workflow_scripts.lib import preflight
-from workflow_scripts.lib.code_inputs import closure_files
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.config import ConfigError, load_config
-from workflow_scripts.lib.definitions import EngineSettings
-from workflow_scripts.lib.engine import resolve_dtype
-from workflow_scripts.lib.registry import STAGES
-from workflow_scripts.lib.verifier import verifier_config
+from workflow_scripts.lib.verifier import preflight
+from workflow_scripts.lib.verifier.engine import resolve_dtype
+from workflow_scripts.lib.verifier.files import verifier_config
+from workflow_scripts.lib.workflow import cli as _cli
+from workflow_scripts.lib.workflow.code_inputs import closure_files
+from workflow_scripts.lib.workflow.config import ConfigError, load_config
+from workflow_scripts.lib.workflow.definitions import EngineSettings
+from workflow_scripts.lib.workflow.registry import STAGES
 
 try:
     CFG = load_config(config)
@@ -88,17 +88,18 @@ PREPARE_CHAT_DATA = REGENERATED_CHAT_DATA if CFG.regenerate.enabled else CHAT_DA
 def stage_code(stage):
     """The code the stage runs (an input of its rules, so an edit reruns the stage): every
     module of the project in the import closure of the stage's entry script, found by
-    lib/code_inputs.py. Relative to the working directory, so that moving the checkout does not
-    rerun everything."""
+    lib/workflow/code_inputs.py. Relative to the working directory, so that moving the checkout
+    does not rerun everything."""
     return [os.path.relpath(f) for f in closure_files(STAGES[stage].module, WORKFLOW_DIR)]
 
 
 def stage_config(stage, job_layout=False):
-    """The stage's result settings (lib/definitions.py), as one param: Snakemake records it, so
-    a change to any of them reruns exactly the rules that take it (and what follows), and a
-    change to an execution setting reruns nothing. ``dtype`` auto is recorded as the dtype it
-    resolves to (which use_gpus decides). ``job_layout``: for the rule of a stage's data-parallel
-    jobs, also the settings that decide which job files exist (job counts)."""
+    """The stage's result settings (lib/workflow/definitions.py), as one param: Snakemake
+    records it, so a change to any of them reruns exactly the rules that take it (and what
+    follows), and a change to an execution setting reruns nothing. ``dtype`` auto is recorded
+    as the dtype it resolves to (which use_gpus decides). ``job_layout``: for the rule of a
+    stage's data-parallel jobs, also the settings that decide which job files exist (job
+    counts)."""
     params = getattr(CFG, STAGES[stage].config_key)
     settings = params.result_settings()
     if isinstance(params, EngineSettings):
@@ -137,10 +138,10 @@ def stage_cmd(stage, gpus=None, **extra):
     Snakemake does not record params computed from input/output, hence stage_config beside it.
 
     ``gpus``: for a GPU rule, the same count as its ``resources`` entry ``gpu`` (an int,
-    or a function of the wildcards). The command then runs under workflow_scripts/lib/gpus.py, which
-    gives the job exactly that many GPUs of its own in CUDA_VISIBLE_DEVICES (a lease on local
-    runs, SLURM's allocation on a cluster) and fails before the stage starts when there are
-    fewer; with 0 the command runs unchanged."""
+    or a function of the wildcards). The command then runs under
+    workflow_scripts/lib/workflow/gpus.py, which gives the job exactly that many GPUs of its own
+    in CUDA_VISIBLE_DEVICES (a lease on local runs, SLURM's allocation on a cluster) and fails
+    before the stage starts when there are fewer; with 0 the command runs unchanged."""
     spec = STAGES[stage]
     params = getattr(CFG, spec.config_key) if spec.config_key else None
 
@@ -150,7 +151,7 @@ def stage_cmd(stage, gpus=None, **extra):
         cmd = f"{PYTHON} -m {spec.module} {args}"
         if gpus is not None:
             count = gpus(wildcards) if callable(gpus) else gpus
-            cmd = f"{PYTHON} -m workflow_scripts.lib.gpus {int(count)} -- {cmd}"
+            cmd = f"{PYTHON} -m workflow_scripts.lib.workflow.gpus {int(count)} -- {cmd}"
         return cmd
 
     return render

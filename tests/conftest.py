@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]:
     """Runs the real demo script (``python -m workflow_scripts.stages.demo``) with DemoParams(**params)
     into ``out_dir``; returns the paths of its outputs (keys: verifier, chat_data, eval_prompts)."""
-    from workflow_scripts.lib import cli
-    from workflow_scripts.lib.definitions import DemoParams
+    from workflow_scripts.lib.workflow import cli
+    from workflow_scripts.lib.workflow.definitions import DemoParams
 
     files = {
         "verifier": out_dir / "verifier",

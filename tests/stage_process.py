@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PRELOAD = ["vllm", "transformers", "workflow_scripts.lib.extraction_engines"]
+PRELOAD = ["vllm", "transformers", "workflow_scripts.lib.hidden_states.engines"]
 
 
 def _context():

@@ -1,6 +1,7 @@
-"""The code's layout: imports point one way (stage entries -> library), the light jobs import
-neither torch nor vLLM, and the code inputs of each rule are the real import closure of its entry.
-Read from the files (ast) and from real runs; no engine starts."""
+"""The code's layout: the library in packages by concept, imports pointing one way (stage entries
+-> the library's packages, layer by layer down to the plumbing) with no circle between modules or
+packages, the light jobs importing neither torch nor vLLM, and the code inputs of each rule the
+real import closure of its entry. Read from the files (ast) and from real runs; no engine starts."""
 
 from __future__ import annotations
 
@@ -11,55 +12,125 @@ from pathlib import Path
 
 import pytest
 
-from workflow_scripts.lib import cli
-from workflow_scripts.lib.code_inputs import closure, direct_imports, module_file
-from workflow_scripts.lib.definitions import VocabParams
-from workflow_scripts.lib.manifest import FORMAT_VERSION
-from workflow_scripts.lib.registry import STAGES
+from workflow_scripts.lib.hidden_states.manifest import FORMAT_VERSION
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.code_inputs import closure, direct_imports, module_file
+from workflow_scripts.lib.workflow.definitions import VocabParams
+from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "workflow_scripts"
 ENTRIES = "workflow_scripts.stages"
 LIB = "workflow_scripts.lib"
 
-# Library modules that belong to one stage (by file name); the rest are shared by several.
-OWNERS = {
-    "demo": ("demo_agentic", "demo_data", "demo_docs", "demo_formats", "demo_verifier"),
-    "regenerate": ("regeneration", "regeneration_merge"),
-    "vocab": ("vocab_map",),
-    "extract": (
-        "extraction",
-        "disk_plan",
-        "extraction_engines",
-        "extraction_transformers",
-        "hidden_states_connector",
-    ),
-    "train": (
-        "trainer",
-        "training_setup",
-        "training_inputs",
-        "training_data",
-        "training_processes",
-    ),
-    "evaluate": ("evaluation", "evaluation_plots"),
+# The library's packages (and its few top-level modules), bottom layer first, as ARCHITECTURE.md
+# draws them. A module imports from its own package or from a lower layer, never sideways or up.
+LAYERS = (
+    ("common",),
+    ("workflow", "verifier", "draft"),
+    ("chat", "hidden_states"),
+    ("demo", "regeneration", "training", "evaluation"),
+)
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Packages of the top layer that belong to one stage: no other stage's entry imports them.
+STAGE_PACKAGES = {
+    "demo": "demo",
+    "regenerate": "regeneration",
+    "train": "training",
+    "evaluate": "evaluation",
 }
-OWNER_OF = {f"{LIB}.{name}": stage for stage, names in OWNERS.items() for name in names}
+MAX_TOP_LEVEL_MODULES = 3
 # Stage entries whose jobs are small CPU jobs: they must start without torch or vLLM.
 LIGHT = ("extract_merge", "regenerate_merge", "vocab")
 MAX_LINES = 450
 
 
 def modules(package: str) -> list[str]:
+    """The modules directly in ``package`` (not in its subpackages)."""
     folder = ROOT.joinpath(*package.split("."))
     return sorted(f"{package}.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__")
+
+
+def library_modules() -> list[str]:
+    """Every module and package under lib/ (a package by its ``__init__``), lib itself left out."""
+    found = []
+    for path in (ROOT / "workflow_scripts" / "lib").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name != LIB:
+            found.append(name)
+    return sorted(found)
+
+
+def part_of(module: str) -> str | None:
+    """The library package (or top-level module) ``module`` belongs to; None outside lib/."""
+    if not module.startswith(LIB + "."):
+        return None
+    return module[len(LIB) + 1 :].split(".")[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Library module -> the library modules it imports (anywhere in its file)."""
+    return {m: {i for i in direct_imports(m) if part_of(i) is not None} for m in library_modules()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, or with a self-loop (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"], ["e"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_every_stage_has_an_entry_script_and_every_entry_a_stage():
     assert {STAGES[s].module for s in STAGES} == set(modules(ENTRIES))
 
 
+def test_the_library_is_packages_by_concept():
+    """lib/ holds the packages of LAYERS and a handful of modules at most; every package and
+    top-level module is in a layer, and every layer's name is there."""
+    top = {p.stem for p in (ROOT / "workflow_scripts" / "lib").glob("*.py")} - {"__init__"}
+    packages = {
+        p.name
+        for p in (ROOT / "workflow_scripts" / "lib").iterdir()
+        if (p / "__init__.py").is_file()
+    }
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, sorted(top)
+    assert top | packages == set(LAYER_OF), (top | packages) ^ set(LAYER_OF)
+
+
 def test_library_never_imports_an_entry_script():
-    upward = {(m, i) for m in modules(LIB) for i in direct_imports(m) if i.startswith(ENTRIES)}
+    upward = {(m, i) for m in library_modules() for i in direct_imports(m) if i.startswith(ENTRIES)}
     assert not upward, f"library modules importing stage entries: {sorted(upward)}"
 
 
@@ -70,20 +141,38 @@ def test_entry_scripts_do_not_import_each_other():
     assert not across, f"entry scripts importing other entries: {sorted(across)}"
 
 
-def test_stage_library_modules_do_not_import_another_stages():
-    """A library module of one stage (extraction*, training*, ...) may use the shared modules
-    and its own stage's, never another stage's: the code of a stage stays where it is found."""
-    assert set(OWNER_OF) <= set(modules(LIB)), set(OWNER_OF) - set(modules(LIB))
+def test_library_imports_point_down_the_layers():
+    """A module imports from its own package or from a lower layer: never sideways (demo from
+    training) and never up (the plumbing from a stage's package)."""
+    wrong = set()
+    for module, imported in import_graph().items():
+        here = part_of(module)
+        for target in imported:
+            there = part_of(target)
+            if there != here and LAYER_OF[there] >= LAYER_OF[here]:
+                wrong.add((module, target))
+    assert not wrong, f"imports sideways or up the layers: {sorted(wrong)}"
+
+
+def test_no_module_or_package_imports_one_that_imports_it_back():
+    graph = import_graph()
+    assert circles(graph) == [], "modules importing each other"
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        here = part_of(module)
+        packages.setdefault(here, set()).update(part_of(i) for i in imported if part_of(i) != here)
+    assert circles(packages) == [], "packages importing each other"
+
+
+def test_a_stage_package_is_imported_by_its_own_entry_only():
     across = set()
-    for module in modules(LIB) + modules(ENTRIES):
-        own = OWNER_OF.get(module) or (
-            module.rsplit(".", 1)[1].removesuffix("_merge") if module.startswith(ENTRIES) else None
-        )
-        for imported in direct_imports(module):
-            other = OWNER_OF.get(imported)
-            if other is not None and other != own:
-                across.add((module, imported))
-    assert not across, f"imports across stages: {sorted(across)}"
+    for stage in STAGES:
+        own = STAGE_PACKAGES.get(stage.removesuffix("_merge"))
+        for imported in direct_imports(STAGES[stage].module):
+            package = part_of(imported)
+            if package in STAGE_PACKAGES.values() and package != own:
+                across.add((stage, imported))
+    assert not across, f"entries importing another stage's package: {sorted(across)}"
 
 
 def test_no_file_is_longer_than_a_reader_holds():

@@ -126,7 +126,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     from transformers import LlamaForCausalLM
 
     from tests.train_data_for_tests import TrainInputs
-    from workflow_scripts.lib import cli, training_inputs, training_setup
+    from workflow_scripts.lib.training import inputs as training_inputs
+    from workflow_scripts.lib.training import setup as training_setup
+    from workflow_scripts.lib.workflow import cli
     from workflow_scripts.stages import train
 
     work, _ = full_build

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from workflow_scripts.lib import cli
-from workflow_scripts.lib.config import ConfigError, json_schema, load_config
-from workflow_scripts.lib.registry import STAGES
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.config import ConfigError, json_schema, load_config
+from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(ROOT.glob("config*.yaml"))
@@ -35,9 +35,10 @@ def test_shipped_configs_are_valid(path):
 
 def test_schema_file_is_current():
     committed = json.loads((ROOT / "config.schema.json").read_text())
-    assert (
-        committed == json_schema()
-    ), "config.schema.json is stale: python -m workflow_scripts.lib.config --schema > config.schema.json"
+    assert committed == json_schema(), (
+        "config.schema.json is stale: "
+        "python -m workflow_scripts.lib.workflow.config --schema > config.schema.json"
+    )
 
 
 def test_schema_documents_every_parameter():
@@ -161,7 +162,7 @@ def test_every_setting_says_whether_it_changes_the_result(stage):
 
 
 def test_readme_lists_the_execution_settings_of_each_stage():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     table = readme.split("The execution settings:", 1)[1].split("\n\n", 2)[1]
     listed = {
         row.split("|")[1].strip(): set(re.findall(r"`(\w+)`", row.split("|")[2]))

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_demo
-from workflow_scripts.lib import demo_data
-from workflow_scripts.lib import demo_verifier as demo
 from workflow_scripts.lib.chat.dataset import tokenize_conversation
+from workflow_scripts.lib.demo import conversations as demo_data
+from workflow_scripts.lib.demo import verifier as demo
 
 SMALL = dict(
     num_conversations=40,
@@ -139,8 +139,8 @@ def test_too_many_eval_prompts_fails_cleanly_and_leaves_nothing(tmp_path):
 
 def test_killed_build_leaves_nothing_that_looks_finished(tmp_path):
     """A build killed during training leaves no output file, at its own name, behind."""
-    from workflow_scripts.lib import cli
-    from workflow_scripts.lib.definitions import DemoParams
+    from workflow_scripts.lib.workflow import cli
+    from workflow_scripts.lib.workflow.definitions import DemoParams
 
     files = {
         "verifier": tmp_path / "verifier",

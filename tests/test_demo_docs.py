@@ -1,4 +1,4 @@
-"""The quality benchmark's natural-text corpus (lib/demo_docs.py): prose only, held-out documents
+"""The quality benchmark's natural-text corpus (lib/demo/docs.py): prose only, held-out documents
 never in training, the same bytes from run to run, errors that name the key."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.demo_docs import DocsCorpus, is_prose, read_documents, split_opening
+from workflow_scripts.lib.demo.docs import DocsCorpus, is_prose, read_documents, split_opening
 
 PACKAGES = ["networkx"]  # installed by the lock; about a second to read
 

@@ -1,4 +1,4 @@
-"""The draft's decoder layer stated from the verifier's config (lib/draft_layer_config.py): the
+"""The draft's decoder layer stated from the verifier's config (lib/draft/layer_config.py): the
 shape and RoPE written explicitly for every family, and the draft rotating as vLLM's own rotary
 embedding rotates for the same config (what serves the draft)."""
 
@@ -14,8 +14,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from workflow_scripts.lib.draft_layer_config import llama_layer_config
-from workflow_scripts.lib.draft_model import Rotary, apply_rope
+from workflow_scripts.lib.draft.layer_config import llama_layer_config
+from workflow_scripts.lib.draft.model import Rotary, apply_rope
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 YARN = {

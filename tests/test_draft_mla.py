@@ -1,4 +1,4 @@
-"""The MLA draft (train.draft_attention: mla, lib/draft_mla.py) against what serves it: its RoPE
+"""The MLA draft (train.draft_attention: mla, lib/draft/mla.py) against what serves it: its RoPE
 against vLLM's DeepSeek rotary embedding (GPT-J pairs, DeepSeek's YaRN), its unrolled training
 against token-by-token decoding with a latent KV cache as vLLM decodes, and its checkpoint's
 config read by vLLM's own config parser as Eagle3DeepseekV2ForCausalLM."""
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from workflow_scripts.lib.draft_layer_config import llama_layer_config
-from workflow_scripts.lib.draft_mla import MLARotary, apply_rope_pairs, mla_layer_config
-from workflow_scripts.lib.draft_model import DraftConfig, Eagle3Draft
+from workflow_scripts.lib.draft.layer_config import llama_layer_config
+from workflow_scripts.lib.draft.mla import MLARotary, apply_rope_pairs, mla_layer_config
+from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft
 
 YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
@@ -159,7 +159,7 @@ def test_mla_checkpoint_is_read_by_vllms_config_parser(tmp_path):
     from safetensors.torch import load_file
     from vllm.transformers_utils.config import get_config
 
-    from workflow_scripts.lib.checkpoint import mla_draft_config, write_draft_checkpoint
+    from workflow_scripts.lib.draft.checkpoint import mla_draft_config, write_draft_checkpoint
 
     model = small_mla_draft(12).float()
     layer = {k: v for k, v in model.cfg.layer_config.items() if k != "num_aux_hidden_states"}

@@ -14,7 +14,7 @@ from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.evaluation import load_prompts
+from workflow_scripts.lib.evaluation.acceptance import load_prompts
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -23,13 +23,13 @@ from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, planned, snakemake
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import UserError, sha256_file
-from workflow_scripts.lib.definitions import ExtractParams
-from workflow_scripts.lib.manifest import LAYER_CONVENTION, load_manifest
-from workflow_scripts.lib.manifest import merge_parts as merge
-from workflow_scripts.lib.shard_writer import ShardWriter
-from workflow_scripts.lib.shards import ShardReader, read_positions, shard_fingerprint
+from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, load_manifest
+from workflow_scripts.lib.hidden_states.manifest import merge_parts as merge
+from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
+from workflow_scripts.lib.hidden_states.shards import ShardReader, read_positions, shard_fingerprint
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.definitions import ExtractParams
 from workflow_scripts.stages import extract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,7 +310,7 @@ def test_tensor_parallel_extraction_equals_one_worker(resumed, world, tmp_path):
     """extract.tensor_parallel_size 2 on the CPU, two vLLM workers each bound to a core by the
     stage itself: the shards equal the one-worker shards (1e-6 relative), and one worker (rank
     0) writes each sample, once."""
-    from workflow_scripts.lib.hidden_states_connector import WRITE_LOG_ENV
+    from workflow_scripts.lib.hidden_states.connector import WRITE_LOG_ENV
 
     root, verifier, tokenized = world
     out = tmp_path / "tp2"
@@ -392,7 +392,8 @@ def preflight_error(monkeypatch, world, tmp_path, verifier=None, lengths=None, *
         tokenized = write_rows(tmp_path / "data.jsonl", lengths)
     p = ExtractParams(**{**TEST_PARAMS, **overrides})
     f = files(root, verifier or default_verifier, tokenized, tmp_path / "out", 0)
-    from workflow_scripts.lib import engine, extraction_engines
+    from workflow_scripts.lib.hidden_states import engines as extraction_engines
+    from workflow_scripts.lib.verifier import engine
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the checks failed")
@@ -555,7 +556,7 @@ def test_connector_gathers_what_the_stock_connector_would(dtype):
         extract_from_kv_cache,
     )
 
-    from workflow_scripts.lib.hidden_states_connector import gather_states
+    from workflow_scripts.lib.hidden_states.connector import gather_states
 
     cache = torch.randn(20, 4, 16, 8).to(dtype)  # [blocks, layers, block_size, hidden]
     for blocks, tokens in (([5, 17, 3], 40), ([9], 16), ([4, 2], 17), ([1], 1)):

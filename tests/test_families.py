@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -33,10 +33,10 @@ import torch
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.train_data_for_tests import TrainInputs, write_vocab_map
-from workflow_scripts.lib import cli
-from workflow_scripts.lib import verifier as verifier_lib
-from workflow_scripts.lib.definitions import ExtractParams
-from workflow_scripts.lib.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.definitions import ExtractParams
 
 pytestmark = pytest.mark.engine
 
@@ -165,7 +165,7 @@ def family(request, tmp_path_factory):
     name = request.param
     root = tmp_path_factory.mktemp(name)
     verifier = build_verifier(name, root / "verifier")
-    vocab = verifier_lib.verifier_config(verifier)["vocab_size"]
+    vocab = verifier_files.verifier_config(verifier)["vocab_size"]
     tokenized = write_rows(root / "tokenized.jsonl", vocab)
     attention, backend = FAMILIES[name]
     manifest = extract(verifier, tokenized, root / "extract", backend)
@@ -204,8 +204,8 @@ def test_the_teacher_is_the_verifiers_own(family):
 SERVE = """
 import json, sys
 from vllm import LLM, SamplingParams
-from workflow_scripts.lib import engine
-from workflow_scripts.lib.params_base import EngineSettings
+from workflow_scripts.lib.verifier import engine
+from workflow_scripts.lib.workflow.params_base import EngineSettings
 
 if __name__ == "__main__":
     verifier, draft, prompts, out = sys.argv[1:5]
@@ -259,14 +259,14 @@ def test_a_teacher_that_is_not_the_verifiers_stops_training(family, tmp_path):
     family has) disagrees with the verifier's recorded choices, and training stops before its
     first step, naming positions; the family's own teacher agrees at every one."""
     from workflow_scripts.lib.common import UserError
-    from workflow_scripts.lib.manifest import load_manifest
-    from workflow_scripts.lib.teacher_check import verify
-    from workflow_scripts.lib.teacher_head import HeadSpec, TeacherHead
+    from workflow_scripts.lib.draft.teacher_head import HeadSpec, TeacherHead
+    from workflow_scripts.lib.hidden_states.manifest import load_manifest
+    from workflow_scripts.lib.training.teacher_check import verify
 
     _, verifier, manifest, _, _ = family
-    vcfg = verifier_lib.verifier_config(verifier)
-    where = verifier_lib.locate_tensors(verifier, vcfg)
-    norm, head = (verifier_lib.read_tensor(where[k]).float() for k in ("norm", "lm_head"))
+    vcfg = verifier_files.verifier_config(verifier)
+    where = verifier_files.locate_tensors(verifier, vcfg)
+    norm, head = (verifier_files.read_tensor(where[k]).float() for k in ("norm", "lm_head"))
     eps = vcfg["rms_norm_eps"]
     shards = load_manifest(manifest)
     right = verify(

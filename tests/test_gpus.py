@@ -1,4 +1,5 @@
-"""workflow_scripts/lib/gpus.py: each local GPU job gets GPUs of its own; SLURM's allocation is kept."""
+"""workflow_scripts/lib/workflow/gpus.py: each local GPU job gets GPUs of its own; SLURM's
+allocation is kept."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def launch(n, command, env_extra, lock_dir, **kwargs):
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     env.update({"EAGLE3_GPU_LOCK_DIR": str(lock_dir), **env_extra})
     return subprocess.Popen(
-        [sys.executable, "-m", "workflow_scripts.lib.gpus", str(n), "--", *command],
+        [sys.executable, "-m", "workflow_scripts.lib.workflow.gpus", str(n), "--", *command],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -166,7 +167,7 @@ def test_slurm_job_without_gpus_fails_clearly(tmp_path):
 @pytest.mark.parametrize("argv", [[], ["4"], ["x", "--", "true"], ["4", "true"]])
 def test_usage(argv):
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.lib.gpus", *argv],
+        [sys.executable, "-m", "workflow_scripts.lib.workflow.gpus", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -280,8 +281,8 @@ def test_a_gpu_job_asking_more_gpus_than_there_are_is_refused(change, limit, exp
     import yaml
 
     from workflow_scripts.lib.common import UserError
-    from workflow_scripts.lib.config import load_config
-    from workflow_scripts.lib.preflight import check_gpu_counts
+    from workflow_scripts.lib.verifier.preflight import check_gpu_counts
+    from workflow_scripts.lib.workflow.config import load_config
 
     base = yaml.safe_load((ROOT / "config.gpu-8x.yaml").read_text())
     config = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v

@@ -145,10 +145,10 @@ def test_what_cannot_work_is_refused_naming_the_key(kimi, change, expected):
 def test_the_layer_ids_and_the_disk_plan_for_1000_samples(kimi, tmp_path, monkeypatch):
     """The extraction job's plan before its model loads: layers [2, 30, 58] + the final 61, and
     the exact bytes of 1,000 samples of about 500 tokens (half of them supervised) in float8."""
-    from workflow_scripts.lib.config import load_config
-    from workflow_scripts.lib.disk_plan import disk_plan
-    from workflow_scripts.lib.extraction import make_plan
-    from workflow_scripts.lib.registry import ExtractIO
+    from workflow_scripts.lib.hidden_states.disk_plan import disk_plan
+    from workflow_scripts.lib.hidden_states.extraction import make_plan
+    from workflow_scripts.lib.workflow.config import load_config
+    from workflow_scripts.lib.workflow.registry import ExtractIO
 
     _, config, verifier = kimi
     monkeypatch.chdir(tmp_path)

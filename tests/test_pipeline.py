@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.workflow_runner import planned, snakemake, write_config
-from workflow_scripts.lib.config import load_config
+from workflow_scripts.lib.workflow.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
@@ -52,7 +52,7 @@ def test_evaluation_results(full_build):
     for name in ("acceptance_per_position", "draft_vs_ngram", "training_curves"):
         png = work / "results" / "evaluate" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    # the teacher proven the verifier's own before training's first step (teacher_check.py)
+    # the teacher proven the verifier's own before training's first step (training/teacher_check.py)
     log = (work / "results" / "logs" / "train.log").read_text()
     agree, checked = map(int, re.search(r"teacher check: .* at (\d+) of (\d+)", log).groups())
     assert checked >= 10 and agree == checked, log[-2000:]
@@ -117,7 +117,7 @@ def test_extraction_change_reruns_extraction_and_training(mechanics_build):
 
 def test_training_code_change_reruns_training(mechanics_build):
     work, _ = mechanics_build
-    path = work / "workflow_scripts" / "lib" / "draft_model.py"
+    path = work / "workflow_scripts" / "lib" / "draft" / "model.py"
     original = path.read_text()
     path.write_text(original + "\n# edited\n")
     try:
@@ -135,9 +135,9 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workflow_scripts.lib import engine
     from workflow_scripts.lib.chat.template import load_template
-    from workflow_scripts.lib.evaluation import load_prompts, run_in_child
+    from workflow_scripts.lib.evaluation.acceptance import load_prompts, run_in_child
+    from workflow_scripts.lib.verifier import engine
 
     work, config = full_build
     shipped = yaml.safe_load((work / "config.yaml").read_text())
@@ -192,7 +192,7 @@ def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):
     and tool calls supervised, a row per rewritten history; vLLM served the draft trained on it."""
     from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
     from workflow_scripts.lib.chat.template import load_template
-    from workflow_scripts.lib.definitions import PrepareParams
+    from workflow_scripts.lib.workflow.definitions import PrepareParams
 
     work, config = mechanics_build
     results = work / "results"

@@ -15,12 +15,12 @@ from transformers import AutoTokenizer
 
 from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.chat.dataset import tokenize_chat_file, tokenize_conversation
 from workflow_scripts.lib.chat.rows import BadRow, normalize
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import Progress, UserError
-from workflow_scripts.lib.definitions import PrepareParams
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.definitions import PrepareParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,13 +23,14 @@ from tests.conftest import ROOT
 from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts.lib import cli, regeneration
 from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
 from workflow_scripts.lib.chat.rows import BadRow
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.config import load_config
-from workflow_scripts.lib.definitions import RegenerateParams
+from workflow_scripts.lib.regeneration import answers as regeneration
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.config import load_config
+from workflow_scripts.lib.workflow.definitions import RegenerateParams
 from workflow_scripts.stages import regenerate, regenerate_merge
 
 S = {"role": "system", "content": "Be brief."}

@@ -26,10 +26,10 @@ from tests.workflow_runner import (
     snakemake,
     write_config,
 )
-from workflow_scripts.lib.code_inputs import closure, module_file
 from workflow_scripts.lib.common import sha256_file
-from workflow_scripts.lib.config import ConfigError, load_config
-from workflow_scripts.lib.registry import STAGES
+from workflow_scripts.lib.workflow.code_inputs import closure, module_file
+from workflow_scripts.lib.workflow.config import ConfigError, load_config
+from workflow_scripts.lib.workflow.registry import STAGES
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 

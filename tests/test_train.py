@@ -27,16 +27,17 @@ from tests.train_data_for_tests import (
     read_metrics,
     tiny_verifier,
 )
-from workflow_scripts.lib import trainer, verifier
-from workflow_scripts.lib.checkpoint import (
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.draft.attention import dense_ttt_attention, ttt_attention
+from workflow_scripts.lib.draft.checkpoint import (
     read_draft_checkpoint,
     speculators_config,
     write_draft_checkpoint,
 )
-from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.draft_attention import dense_ttt_attention, ttt_attention
-from workflow_scripts.lib.draft_layer_config import llama_layer_config
-from workflow_scripts.lib.draft_model import DraftConfig, Eagle3Draft, Rotary, TeacherHead
+from workflow_scripts.lib.draft.layer_config import llama_layer_config
+from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft, Rotary, TeacherHead
+from workflow_scripts.lib.training import trainer
+from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.stages import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,10 +320,10 @@ def test_teacher_is_the_verifier_restricted_to_the_draft_vocab(inputs):
     model = tiny_verifier()
     vcfg = json.loads((inputs.verifier / "config.json").read_text())
     t2d = load_file(str(inputs.vocab_map))["t2d"]
-    located = verifier.locate_tensors(inputs.verifier, vcfg)
+    located = verifier_files.locate_tensors(inputs.verifier, vcfg)
     teacher = TeacherHead(
-        verifier.read_tensor(located["norm"]),
-        verifier.read_tensor(located["lm_head"], rows=t2d, chunk_rows=100),
+        verifier_files.read_tensor(located["norm"]),
+        verifier_files.read_tensor(located["lm_head"], rows=t2d, chunk_rows=100),
         vcfg["rms_norm_eps"],
     )
     ids = random_samples(1, 256, seed=5)[0][0]
@@ -352,13 +353,13 @@ def test_verifier_tensors_from_sharded_and_tied_checkpoints(inputs, tmp_path):
         weight_map.update({n: file for n in part})
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     rows = torch.rand(256) < 0.3
-    located = verifier.locate_tensors(sharded, vcfg)
+    located = verifier_files.locate_tensors(sharded, vcfg)
     assert {k: name for k, (_, name) in located.items()} == {
         "embed": "model.embed_tokens.weight",
         "norm": "model.norm.weight",
         "lm_head": "lm_head.weight",
     }
-    head = verifier.read_tensor(located["lm_head"], rows=rows, chunk_rows=50)
+    head = verifier_files.read_tensor(located["lm_head"], rows=rows, chunk_rows=50)
     torch.testing.assert_close(head, full["lm_head.weight"][rows])
 
     tied = tmp_path / "tied"
@@ -368,9 +369,11 @@ def test_verifier_tensors_from_sharded_and_tied_checkpoints(inputs, tmp_path):
         {n: t for n, t in full.items() if n != "lm_head.weight"}, str(tied / "model.safetensors")
     )
     tied_cfg = {**vcfg, "tie_word_embeddings": True}
-    assert verifier.locate_tensors(tied, tied_cfg)["lm_head"][1] == "model.embed_tokens.weight"
+    assert (
+        verifier_files.locate_tensors(tied, tied_cfg)["lm_head"][1] == "model.embed_tokens.weight"
+    )
     with pytest.raises(UserError, match="no lm_head.weight"):
-        verifier.locate_tensors(tied, {**vcfg, "tie_word_embeddings": False})
+        verifier_files.locate_tensors(tied, {**vcfg, "tie_word_embeddings": False})
 
 
 def test_checkpoint_format(tmp_path):
@@ -565,7 +568,7 @@ def test_the_losses_are_what_they_say():
     """tv is 1 - alpha (alpha = sum min(p, q): speculative sampling's acceptance rate); lk_alpha
     -log alpha; lk_hybrid KL where the draft is far off and tv where it is close; each zero
     where q = p and with a gradient that moves q towards p."""
-    from workflow_scripts.lib.draft_model import OBJECTIVES, objective_value
+    from workflow_scripts.lib.draft.model import OBJECTIVES, objective_value
 
     g = torch.Generator().manual_seed(0)
     target = torch.log_softmax(torch.randn(5, 7, generator=g, dtype=torch.float64), -1)
@@ -597,7 +600,7 @@ def test_the_losses_are_what_they_say():
 
 
 def test_the_learning_rate_schedules():
-    from workflow_scripts.lib.training_setup import lr_factor
+    from workflow_scripts.lib.training.setup import lr_factor
 
     assert [lr_factor(s, 2, 10, 0.0, "linear") for s in (0, 1, 2, 6, 10)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.5, 0.0]
@@ -611,8 +614,8 @@ def test_muon_with_adamw_resumes_from_its_state_dict():
     """The Muon + AdamW pair is one optimizer to the scheduler and the resume state: Muon holds
     exactly the hidden weight matrices, and a copy restored from the saved state dict takes the same
     next step as the original."""
-    from workflow_scripts.lib.definitions import TrainParams
-    from workflow_scripts.lib.training_setup import make_optimizer
+    from workflow_scripts.lib.training.setup import make_optimizer
+    from workflow_scripts.lib.workflow.definitions import TrainParams
 
     p = TrainParams(optimizer="muon")
 
@@ -661,12 +664,12 @@ def test_the_reference_recipe_trains_as_set(inputs, tmp_path):
     config, tensors = read_draft_checkpoint(out / "draft")
     assert config["fc_norm"] is True
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
-    vcfg = verifier.verifier_config(inputs.verifier)
-    where = verifier.locate_tensors(inputs.verifier, vcfg)
+    vcfg = verifier_files.verifier_config(inputs.verifier)
+    where = verifier_files.locate_tensors(inputs.verifier, vcfg)
     import safetensors.torch as st
 
     t2d = st.load_file(str(inputs.vocab_map))["t2d"].bool()
-    head = verifier.read_tensor(where["lm_head"], rows=t2d).float()
+    head = verifier_files.read_tensor(where["lm_head"], rows=t2d).float()
     torch.testing.assert_close(tensors["lm_head.weight"].float(), head)  # frozen
     assert not torch.allclose(tensors["norm.weight"], torch.ones_like(tensors["norm.weight"]))
     validation = read_metrics(out / "metrics.jsonl", "val")

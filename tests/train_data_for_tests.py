@@ -1,5 +1,6 @@
 """A tiny Llama verifier and its hidden-state shards, made here with transformers (nothing is
-downloaded): the inputs of the training stage, in the formats of ``lib/shards.py`` and ``lib/vocab_map.py``.
+downloaded): the inputs of the training stage, in the formats of ``lib/hidden_states/shards.py``
+and ``lib/draft/vocab_map.py``.
 
 Hidden states follow vLLM's convention: aux id k = HF ``hidden_states[k]`` (the input of decoder
 layer k); the final state is the last decoder layer's output *before* the final norm (HF's
@@ -18,9 +19,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from workflow_scripts.lib import cli, manifest, shards, verifier
-from workflow_scripts.lib.definitions import TrainParams
-from workflow_scripts.lib.vocab_map import build_maps, select_vocab
+from workflow_scripts.lib.draft.vocab_map import build_maps, select_vocab
+from workflow_scripts.lib.hidden_states import manifest, shards
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.definitions import TrainParams
 
 
 def tiny_verifier(
@@ -144,7 +147,7 @@ def write_extraction(
         "storage_dtype": storage,
         "verifier": {
             "path": str(verifier_dir),
-            **verifier.identity(verifier_dir),
+            **verifier_files.identity(verifier_dir),
         },
         "tokenized": {"path": "tokenized_data.jsonl", "sha256": "0" * 64},
         "vocab_size": cfg.vocab_size,

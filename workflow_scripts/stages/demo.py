@@ -2,13 +2,13 @@
 
 1. Generates ``chat_data.jsonl`` and ``eval_prompts.jsonl`` (held-out prompts with the expected
    answer under ``reference``) from ``demo.corpus``: ``rules``, rule-based multi-turn tasks whose
-   answers a tiny model learns exactly (``lib/demo_data.py``, the embedded default); or
+   answers a tiny model learns exactly (``lib/demo/conversations.py``, the embedded default); or
    ``package_docs``, natural text from the docstrings of installed packages, held-out prompts
-   from module files never used in training (``lib/demo_docs.py``, ``config.quality.yaml``); or
+   from module files never used in training (``lib/demo/docs.py``, ``config.quality.yaml``); or
    ``reasoning_tools``, the rule-based tasks with reasoning and tool calls
-   (``lib/demo_agentic.py``).
+   (``lib/demo/agentic.py``).
 2. Trains a byte-level BPE tokenizer on the data with the special tokens and chat template of
-   the corpus' chat format (``lib/demo_formats.py``: Llama-3, or Qwen3-style for
+   the corpus' chat format (``lib/demo/formats.py``: Llama-3, or Qwen3-style for
    ``reasoning_tools``).
 3. Trains a small ``LlamaForCausalLM`` on the assistant tokens (the same mask that ``prepare``
    builds), with conversations packed into rows, and checks it on the held-out prompts:
@@ -17,13 +17,13 @@
 4. Writes the verifier directory (float32 safetensors, config, generation config, tokenizer)
    under a temporary name and renames it when complete.
 
-The tokenizer and the verifier are made in ``lib/demo_verifier.py``; the tokenizer learns
+The tokenizer and the verifier are made in ``lib/demo/verifier.py``; the tokenizer learns
 chat_data's text, or for ``package_docs`` one pass over the training documents (so that
 num_conversations changes the data set, not the verifier). The same seed gives byte-identical
 data and tokenizer files on any machine (for ``package_docs``, with the pinned requirements), and
 an identical verifier directory on a CPU of the same instruction set with the same software
-versions, with 1 or 2 threads (PyTorch's AVX-512 and AVX2 kernels round differently: README,
-"Draft quality"). The verifier trains on the first
+versions, with 1 or 2 threads (PyTorch's AVX-512 and AVX2 kernels round differently:
+docs/evaluation-and-quality.md, "Reproducibility"). The verifier trains on the first
 train_steps x train_batch_size_samples conversations of the corpus' stream, which begins with
 chat_data and goes on with fresh conversations (rules) or the training documents again in a new
 order (package_docs), so that it learns the rules or the language rather than the examples.
@@ -36,23 +36,23 @@ import logging
 import os
 import time
 
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import UserError, format_seconds, run_main
-from workflow_scripts.lib import demo_agentic
-from workflow_scripts.lib.demo_data import (
+from workflow_scripts.lib.demo import agentic as demo_agentic
+from workflow_scripts.lib.demo.conversations import (
     generate_conversations,
     generate_eval_prompts,
     iter_conversations,
 )
-from workflow_scripts.lib.demo_docs import DocsCorpus
-from workflow_scripts.lib.demo_formats import FORMATS
-from workflow_scripts.lib.demo_verifier import (
+from workflow_scripts.lib.demo.docs import DocsCorpus
+from workflow_scripts.lib.demo.formats import FORMATS
+from workflow_scripts.lib.demo.verifier import (
     build_tokenizer,
     evaluate,
     train_verifier,
     write_jsonl,
     write_verifier,
 )
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 

@@ -16,7 +16,6 @@ import json
 import logging
 from typing import Any
 
-from workflow_scripts.lib import cli, engine, preflight, verifier
 from workflow_scripts.lib.chat.template import load_template
 from workflow_scripts.lib.common import (
     UserError,
@@ -25,13 +24,16 @@ from workflow_scripts.lib.common import (
     run_main,
     write_json,
 )
-from workflow_scripts.lib.evaluation import (
+from workflow_scripts.lib.evaluation.acceptance import (
     acceptance_with_ci,
     load_prompts,
     run_in_child,
     simulated_acceptance,
 )
-from workflow_scripts.lib.evaluation_plots import plot
+from workflow_scripts.lib.evaluation.plots import plot
+from workflow_scripts.lib.verifier import engine, preflight
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 
@@ -50,7 +52,7 @@ def main() -> None:
     )
     log.info("evaluate: %d prompts from %s", len(prompts), io.eval_prompts)
 
-    dtype = preflight.check_evaluate(p, verifier.verifier_config(io.verifier))
+    dtype = preflight.check_evaluate(p, verifier_files.verifier_config(io.verifier))
     engine.check_devices(p, "evaluate", dtype=dtype)
     engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
     k = p.num_speculative_tokens

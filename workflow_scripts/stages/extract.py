@@ -1,7 +1,8 @@
 """extract: tokenized data + verifier -> hidden-state shards, and this job's part manifest.
 
 Job ``job_index`` of ``extract.num_jobs`` computes its share of the shards (see
-``lib/extraction.py`` for the plan, the fingerprints and the reuse of finished shards).
+``lib/hidden_states/extraction.py`` for the plan, the fingerprints and the reuse of finished
+shards).
 
 Everything that can be checked is checked before the model loads, each failure naming the
 config key to change: the verifier's config and weights, the layer ids, tensor parallel size
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import logging
 
-from workflow_scripts.lib import cli, engine
 from workflow_scripts.lib.common import run_main, write_json
-from workflow_scripts.lib.disk_plan import check_outputs
-from workflow_scripts.lib.extraction import make_plan, part_manifest, reuse_finished
-from workflow_scripts.lib.extraction_engines import extract
+from workflow_scripts.lib.hidden_states.disk_plan import check_outputs
+from workflow_scripts.lib.hidden_states.engines import extract
+from workflow_scripts.lib.hidden_states.extraction import make_plan, part_manifest, reuse_finished
+from workflow_scripts.lib.verifier import engine
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import read_json, run_main, write_json
-from workflow_scripts.lib.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.chat.dataset import tokenize_chat_file
 from workflow_scripts.lib.chat.template import load_template
 from workflow_scripts.lib.common import (
@@ -22,6 +21,7 @@ from workflow_scripts.lib.common import (
     run_main,
     write_json,
 )
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 

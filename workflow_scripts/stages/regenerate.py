@@ -1,8 +1,9 @@
 """regenerate: the verifier answers the user turns of the chat data itself (self-distillation).
 
 Job ``job_index`` of ``regenerate.num_jobs`` answers its share of the batches with real vLLM
-(``lib/regeneration.py`` has how answers are written, resumed and fingerprinted). Malformed rows
-and first prompts too long for the engine are found in one pass before the model loads.
+(``lib/regeneration/answers.py`` has how answers are written, resumed and fingerprinted).
+Malformed rows and first prompts too long for the engine are found in one pass before the model
+loads.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import logging
 import time
 
-from workflow_scripts.lib import cli, engine, preflight, verifier
 from workflow_scripts.lib.chat.template import load_template
 from workflow_scripts.lib.common import (
     Progress,
@@ -21,7 +21,7 @@ from workflow_scripts.lib.common import (
     run_main,
     write_json,
 )
-from workflow_scripts.lib.regeneration import (
+from workflow_scripts.lib.regeneration.answers import (
     answer_batch,
     batch_path,
     batch_result,
@@ -31,6 +31,9 @@ from workflow_scripts.lib.regeneration import (
     make_engine,
     read_conversations,
 )
+from workflow_scripts.lib.verifier import engine, preflight
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 
@@ -39,8 +42,8 @@ def main() -> None:
     io, p = cli.parse("regenerate")
     if not io.chat_data.is_file():
         raise UserError(f"chat data '{io.chat_data}' does not exist (config key 'chat_data')")
-    cfg = verifier.verifier_config(io.verifier)
-    verifier.weight_files(io.verifier)
+    cfg = verifier_files.verifier_config(io.verifier)
+    verifier_files.weight_files(io.verifier)
     dtype = preflight.check_engine(p, "regenerate", cfg)
     template = load_template(io.verifier, p.chat_template)
     stops = template.stop_ids

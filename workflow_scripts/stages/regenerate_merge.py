@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import logging
 
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import run_main, write_json
-from workflow_scripts.lib.regeneration_merge import merge
+from workflow_scripts.lib.regeneration.merge import merge
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 

@@ -3,14 +3,15 @@
     python -m workflow_scripts.stages.train --manifest ... --vocab-map ... --verifier ... \\
         --state-dir ... --draft ... --metrics ... <every train.* parameter>
 
-1. Checks every input before anything expensive (``lib/training_inputs.py``), and the GPUs it
+1. Checks every input before anything expensive (``lib/training/inputs.py``), and the GPUs it
    was given.
 2. Reads only the embedding, the final norm and the draft vocabulary's lm_head rows from the
    verifier's safetensors (sharded checkpoints through their index); never the whole verifier.
-3. Streams samples from the memory-mapped shards (``lib/training_data.py``).
+3. Streams samples from the memory-mapped shards (``lib/training/data.py``).
 4. With ``num_gpus`` > 1 (or ``num_cpu_processes`` > 1 on the CPU) it starts itself under
-   torchrun and trains with DDP (``lib/training_processes.py``).
-5. Trains, resumes, validates, logs and writes the draft and the metrics (``lib/trainer.py``).
+   torchrun and trains with DDP (``lib/training/processes.py``).
+5. Trains, resumes, validates, logs and writes the draft and the metrics
+   (``lib/training/trainer.py``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import sys
 
 import torch.distributed as dist
 
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import run_main
-from workflow_scripts.lib.registry import STAGES
-from workflow_scripts.lib.trainer import Trainer
-from workflow_scripts.lib.training_inputs import check_inputs
-from workflow_scripts.lib.training_processes import launch_processes, setup_processes
+from workflow_scripts.lib.training.inputs import check_inputs
+from workflow_scripts.lib.training.processes import launch_processes, setup_processes
+from workflow_scripts.lib.training.trainer import Trainer
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.registry import STAGES
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,14 +1,14 @@
-"""vocab: tokenized data -> the draft vocabulary map (d2t / t2d; see ``lib/vocab_map.py``)."""
+"""vocab: tokenized data -> the draft vocabulary map (d2t / t2d; see ``lib/draft/vocab_map.py``)."""
 
 from __future__ import annotations
 
 import json
 import logging
 
-from workflow_scripts.lib import cli
 from workflow_scripts.lib.common import UserError, run_main, write_json
-from workflow_scripts.lib.verifier import verifier_config
-from workflow_scripts.lib.vocab_map import count_masked_tokens, write_vocab_map
+from workflow_scripts.lib.draft.vocab_map import count_masked_tokens, write_vocab_map
+from workflow_scripts.lib.verifier.files import verifier_config
+from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
 

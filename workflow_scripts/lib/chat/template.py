@@ -89,7 +89,7 @@ def stop_token_ids(tokenizer, verifier_dir: Path | str | None) -> list[int]:
 def load_template(verifier_dir: Path | str, settings) -> "ChatTemplate":
     """The verifier's chat template with ``settings`` (a ChatTemplateSettings: the config's
     ``chat_template``)."""
-    from workflow_scripts.lib.verifier import load_tokenizer
+    from workflow_scripts.lib.verifier.files import load_tokenizer
 
     tokenizer = load_tokenizer(verifier_dir, settings.trust_remote_code)
     return ChatTemplate(tokenizer, settings.kwargs, settings.date, verifier_dir)

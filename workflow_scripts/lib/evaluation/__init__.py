@@ -1,0 +1,2 @@
+"""Evaluation: acceptance length under vLLM speculative decoding, against n-gram speculation on
+the same prompts (``acceptance``), and its plots (``plots``)."""

@@ -1,0 +1,5 @@
+"""The verifier's hidden states on disk: the shard format and reader (``shards``), streaming
+writes (``shard_writer``), the manifest and its merge with every shard's checksum (``manifest``),
+extraction's plan and reuse of finished shards (``extraction``), the disk plan (``disk_plan``),
+the engines (``engines``: vLLM through the KV ``connector``; ``transformers_backend``) and the
+positions recorded for the teacher check (``teacher_record``)."""

@@ -1,0 +1,232 @@
+"""Training's inputs, checked before anything expensive: the extraction manifest against the
+verifier (hidden size, layer count and ids, vocabulary, the verifier's identity), the vocab map
+against the verifier's vocabulary, every shard's presence and checksum, the verifier tensors the
+draft needs. Each problem stops the run with a message naming it. Also the fingerprint a
+resumable training state must carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from workflow_scripts.lib.common import (
+    UserError,
+    atomic_path,
+    format_seconds,
+    sha256_file,
+)
+from workflow_scripts.lib.hidden_states import shards
+from workflow_scripts.lib.hidden_states.manifest import (
+    LAYER_CONVENTION,
+    load_manifest,
+    storage_dtype,
+)
+from workflow_scripts.lib.training.data import SampleIndex
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.definitions import TrainParams
+from workflow_scripts.lib.workflow.registry import TrainIO
+
+log = logging.getLogger("eagle3")
+
+VERIFIED_FILE = "verified_shards.json"
+
+
+@dataclass
+class Inputs:
+    """Everything checked before the first step."""
+
+    verifier_cfg: dict[str, Any]
+    manifest: dict[str, Any]
+    aux_layer_ids: list[int]  # ascending: the order vLLM concatenates them in
+    aux_order: list[int] | None  # permutation of the shards' aux axis into that order, if needed
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    tensors: dict[str, tuple[Path, str]]  # embed / norm / lm_head -> (file, tensor name)
+    index: "SampleIndex"
+    fingerprint: str
+
+
+def check_manifest(manifest: dict, vcfg: dict, verifier_dir: Path, where: Path) -> None:
+    H, N, V = int(vcfg["hidden_size"]), int(vcfg["num_hidden_layers"]), int(vcfg["vocab_size"])
+    hint = "re-run extraction for this verifier"
+    if manifest.get("layer_convention") != LAYER_CONVENTION:
+        raise UserError(
+            f"{where}: layer_convention {manifest.get('layer_convention')!r} is not the one this "
+            f"workflow uses ({LAYER_CONVENTION!r}); {hint}"
+        )
+    if manifest.get("hidden_size") != H:
+        raise UserError(
+            f"{where}: hidden_size {manifest.get('hidden_size')} does not match the verifier "
+            f"{verifier_dir} (hidden_size {H}); {hint}"
+        )
+    if manifest.get("num_hidden_layers") != N:
+        raise UserError(
+            f"{where}: num_hidden_layers {manifest.get('num_hidden_layers')} does not match the "
+            f"verifier {verifier_dir} ({N} layers); {hint}"
+        )
+    aux = list(manifest.get("aux_layer_ids") or [])
+    bad = [i for i in aux if not isinstance(i, int) or not 0 <= i < N]
+    if not aux or bad:
+        raise UserError(
+            f"{where}: aux_layer_ids {aux} do not fit the verifier {verifier_dir} with {N} layers: "
+            f"ids must be in 0..{N - 1} (vLLM's convention: id k is the input of decoder layer "
+            f"k; {N} is the final state, never an auxiliary one); {hint}"
+        )
+    if len(set(aux)) != len(aux):
+        raise UserError(f"{where}: aux_layer_ids {aux} repeat a layer; {hint}")
+    if manifest.get("final_layer_id") != N:
+        raise UserError(
+            f"{where}: final_layer_id {manifest.get('final_layer_id')} is not the verifier's "
+            f"last layer output ({N}); {hint}"
+        )
+    if manifest.get("vocab_size") != V:
+        raise UserError(
+            f"{where}: vocab_size {manifest.get('vocab_size')} does not match the verifier "
+            f"{verifier_dir} (vocab_size {V}); {hint}"
+        )
+    recorded = (manifest.get("verifier") or {}).get("fingerprint")
+    actual = verifier_files.fingerprint(verifier_dir)
+    if recorded != actual:
+        raise UserError(
+            f"{where}: extracted from another verifier (identity {str(recorded)[:12]}, "
+            f"{verifier_dir} has {actual[:12]}: config.json, weight files or tokenizer differ); "
+            f"{hint}"
+        )
+    if manifest.get("dtype") not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"{where}: unknown dtype {manifest.get('dtype')!r}")
+    storage = storage_dtype(manifest)
+    if storage not in shards.TORCH_DTYPES:
+        raise UserError(
+            f"{where}: unknown storage_dtype {storage!r} (known: {', '.join(shards.TORCH_DTYPES)})"
+        )
+    if not manifest.get("shards") or not manifest.get("num_samples"):
+        raise UserError(f"{where}: no samples; was the tokenized data empty?")
+
+
+def check_vocab_map(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        tensors = load_file(str(path))
+        d2t, t2d = tensors["d2t"], tensors["t2d"]
+    except Exception as exc:  # a missing file, a truncated one, a missing tensor
+        raise UserError(f"cannot read the vocab map {path}: {exc}") from None
+    K = d2t.numel()
+    if K > vocab_size:
+        raise UserError(
+            f"{path}: the draft vocabulary ({K} tokens) is larger than the verifier's vocabulary "
+            f"({vocab_size} tokens); rebuild the vocab map for this verifier"
+        )
+    if t2d.numel() != vocab_size:
+        raise UserError(
+            f"{path}: built for a vocabulary of {t2d.numel()} tokens, but the verifier has "
+            f"{vocab_size}; was it built with another tokenizer? Rebuild the vocab map"
+        )
+    targets = torch.arange(K, dtype=torch.int64) + d2t.to(torch.int64)
+    if int(t2d.sum()) != K or not torch.equal(t2d.nonzero().flatten(), targets):
+        raise UserError(f"{path}: d2t and t2d disagree about the draft vocabulary; rebuild it")
+    return d2t.to(torch.int64), t2d.to(torch.bool)
+
+
+def verify_shard_checksums(manifest: dict, state_dir: Path) -> None:
+    """sha256 of every shard against the manifest, in parallel threads. Results are remembered
+    in the state dir by (size, mtime), so a resumed run does not hash terabytes again."""
+    cache_path = state_dir / VERIFIED_FILE
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+
+    def key(entry):
+        st = os.stat(entry["path"])
+        return [st.st_size, st.st_mtime_ns, entry["sha256"]]
+
+    todo = [e for e in manifest["shards"] if cache.get(e["path"]) != key(e)]
+    if not todo:
+        return
+    started = time.monotonic()
+    log.info("verifying the checksums of %d shard(s)", len(todo))
+    workers = min(8, len(todo), os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool:
+        digests = list(pool.map(lambda e: sha256_file(e["path"]), todo))
+    for entry, digest in zip(todo, digests):
+        if digest != entry["sha256"]:
+            raise UserError(
+                f"shard {entry['path']} does not match its checksum in the manifest (corrupt or "
+                "overwritten); delete it and re-run extraction"
+            )
+        cache[entry["path"]] = key(entry)
+    log.info("checksums verified in %s", format_seconds(time.monotonic() - started))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(cache_path) as tmp:
+        tmp.write_text(json.dumps(cache))
+
+
+def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
+    """What a resumable state must have been trained from: its result settings (every one:
+    num_speculative_tokens too, which decides the weights kept) and input contents. States saved
+    under other execution settings are resumed."""
+    settings = p.result_settings()
+    files = {
+        "manifest": sha256_file(io.manifest),
+        "vocab_map": sha256_file(io.vocab_map),
+        "verifier": verifier_files.fingerprint(io.verifier),
+    }
+    blob = json.dumps({"settings": settings, "files": files}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_inputs(io: TrainIO, p: TrainParams, verify_checksums: bool = True) -> Inputs:
+    vcfg = verifier_files.verifier_config(io.verifier)
+    V = int(vcfg["vocab_size"])
+    manifest = load_manifest(io.manifest)  # every shard present
+    check_manifest(manifest, vcfg, Path(io.verifier), Path(io.manifest))
+    d2t, t2d = check_vocab_map(Path(io.vocab_map), V)
+    if verify_checksums:
+        verify_shard_checksums(manifest, Path(io.state_dir))
+    tensors = verifier_files.locate_tensors(Path(io.verifier), vcfg)
+    aux = list(manifest["aux_layer_ids"])
+    ascending = sorted(aux)
+    aux_order = None if aux == ascending else [aux.index(i) for i in ascending]
+    index = SampleIndex(manifest, aux_order, p.micro_batch_budget_tokens)
+    if p.num_gpus > 0 and torch.cuda.device_count() < p.num_gpus:
+        raise UserError(
+            f"train.num_gpus is {p.num_gpus} but {torch.cuda.device_count()} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )
+    if p.draft_attention == "mla":
+        from workflow_scripts.lib.draft.mla import is_mla
+
+        if not is_mla(vcfg):
+            raise UserError(
+                f"train.draft_attention is mla, but the verifier {io.verifier} has no multi-head "
+                "latent attention (no kv_lora_rank and qk_rope_head_dim in its config): an MLA "
+                "draft takes the verifier's MLA shape; set train.draft_attention: llama"
+            )
+    if p.ttt_steps < p.num_speculative_tokens:
+        log.warning(
+            "train.ttt_steps (%d) is below num_speculative_tokens (%d): the later draft tokens "
+            "are served untrained",
+            p.ttt_steps,
+            p.num_speculative_tokens,
+        )
+    return Inputs(
+        verifier_cfg=vcfg,
+        manifest=manifest,
+        aux_layer_ids=ascending,
+        aux_order=aux_order,
+        d2t=d2t,
+        t2d=t2d,
+        tensors=tensors,
+        index=index,
+        fingerprint=run_fingerprint(io, p),
+    )

@@ -1,0 +1,4 @@
+"""The verifier: its files on disk (``files``: config, weights, tokenizer, identity, the tensors
+the draft takes), its vLLM engine (``engine``), what the installed vLLM can do with its
+architecture (``vllm_support``), and the checks of the settings against it and this machine, at
+dry-run and in each job (``preflight``)."""

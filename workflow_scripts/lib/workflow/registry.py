@@ -1,0 +1,148 @@
+"""Every stage of the workflow: its entry script, its parameters (``definitions.py``) and its
+files. ``STAGES`` is the one place a new stage is declared.
+
+``<Stage>IO`` lists the files (and wildcards) a rule passes to its script. Rules name their
+``input:``/``output:`` entries after these fields; the renderer (``cli.py``) refuses a rule that
+does not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflow_scripts.lib.workflow.definitions import (
+    DemoParams,
+    EvaluateParams,
+    ExtractParams,
+    PrepareParams,
+    RegenerateParams,
+    StageParams,
+    TrainParams,
+    VocabParams,
+)
+
+
+class StageIO(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DemoIO(StageIO):
+    verifier: Path = Field(description="Output: verifier model directory (config.json inside).")
+    chat_data: Path = Field(description="Output: generated training conversations (JSONL).")
+    eval_prompts: Path = Field(description="Output: held-out evaluation prompts (JSONL).")
+
+
+class RegenerateIO(StageIO):
+    chat_data: Path = Field(description="Input: chat conversations (JSONL).")
+    verifier: Path = Field(description="Input: verifier directory.")
+    work_dir: Path = Field(
+        description="Where the finished batches are written (not a rule output: kept across "
+        "runs, so a restarted job redoes only unfinished batches)."
+    )
+    job_index: int = Field(ge=0, description="Which data-parallel job this is (0-based).")
+    part: Path = Field(description="Output: this job's part (JSON): its batches and counts.")
+
+
+class RegenerateMergeIO(StageIO):
+    parts: list[Path] = Field(description="Input: the parts of all regenerate jobs.")
+    work_dir: Path = Field(description="Where the jobs wrote their batches.")
+    regenerated: Path = Field(
+        description="Output: the conversations with the verifier's answers (JSONL, 'messages')."
+    )
+    stats: Path = Field(description="Output: statistics (JSON).")
+
+
+class PrepareIO(StageIO):
+    chat_data: Path = Field(description="Input: chat conversations (JSONL).")
+    verifier: Path = Field(description="Input: verifier directory (its tokenizer is used).")
+    tokenized: Path = Field(description="Output: tokenized_data.jsonl.")
+    stats: Path = Field(description="Output: statistics (JSON).")
+
+
+class VocabIO(StageIO):
+    tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
+    verifier: Path = Field(description="Input: verifier directory (its vocabulary size).")
+    vocab_map: Path = Field(description="Output: d2t, t2d and token counts (safetensors).")
+    stats: Path = Field(description="Output: statistics (JSON).")
+
+
+class ExtractIO(StageIO):
+    tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
+    verifier: Path = Field(description="Input: verifier directory.")
+    shard_dir: Path = Field(
+        description="Directory the shards are written to (not a rule output: kept across runs, "
+        "so finished shards are never redone)."
+    )
+    job_index: int = Field(ge=0, description="Which data-parallel job this is (0-based).")
+    part: Path = Field(description="Output: this job's part manifest (JSON).")
+
+
+class ExtractMergeIO(StageIO):
+    parts: list[Path] = Field(description="Input: part manifests of all extraction jobs.")
+    manifest: Path = Field(
+        description="Output: manifest of all shards (JSON); what downstream rules depend on."
+    )
+
+
+class TrainIO(StageIO):
+    manifest: Path = Field(description="Input: extraction manifest.")
+    vocab_map: Path = Field(description="Input: vocab map (safetensors).")
+    verifier: Path = Field(description="Input: verifier directory.")
+    state_dir: Path = Field(description="Resume checkpoints (kept across runs).")
+    draft: Path = Field(description="Output: draft checkpoint directory (speculators format).")
+    metrics: Path = Field(description="Output: training metrics (JSONL).")
+
+
+class EvaluateIO(StageIO):
+    verifier: Path = Field(description="Input: verifier directory.")
+    draft: Path = Field(description="Input: draft checkpoint directory.")
+    eval_prompts: Path = Field(description="Input: evaluation prompts (JSONL).")
+    metrics: Path = Field(description="Input: training metrics (JSONL).")
+    results: Path = Field(description="Output: evaluation results (JSON).")
+    plot_dir: Path = Field(description="Output: directory of plots (PNG).")
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class Stage(BaseModel):
+    """A stage: its entry script, its parameters (a config slice, or none) and its files."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    module: str
+    params: type[StageParams] | None
+    io: type[StageIO]
+    config_key: str | None = None
+
+
+ENTRY_PACKAGE = "workflow_scripts.stages"
+
+
+def _stage(name: str, params: type[StageParams] | None, io: type[StageIO]) -> Stage:
+    """Stage ``name``: entry script workflow_scripts/stages/<name>.py; with parameters, the
+    config key ``name``."""
+    return Stage(
+        module=f"{ENTRY_PACKAGE}.{name}",
+        params=params,
+        io=io,
+        config_key=name if params is not None else None,
+    )
+
+
+# Every stage, in pipeline order (also the order of config.yaml's sections).
+STAGES: dict[str, Stage] = {
+    name: _stage(name, params, io)
+    for name, params, io in (
+        ("demo", DemoParams, DemoIO),
+        ("regenerate", RegenerateParams, RegenerateIO),
+        ("regenerate_merge", None, RegenerateMergeIO),
+        ("prepare", PrepareParams, PrepareIO),
+        ("vocab", VocabParams, VocabIO),
+        ("extract", ExtractParams, ExtractIO),
+        ("extract_merge", None, ExtractMergeIO),
+        ("train", TrainParams, TrainIO),
+        ("evaluate", EvaluateParams, EvaluateIO),
+    )
+}

@@ -1,0 +1,174 @@
+"""The train stage's typed definition (``config[train]``); part of ``definitions.py``'s one
+definition per stage (see there for result and execution settings), kept in its own file for
+its size: the training recipe's settings, each described where the schema and docs/training.md
+read it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from workflow_scripts.lib.workflow.params_base import StageParams
+
+
+class TrainParams(StageParams):
+    """EAGLE-3 draft training with training-time test (TTT)."""
+
+    @model_validator(mode="after")
+    def _mla_serves_no_norm_before_fc(self) -> "TrainParams":
+        if self.draft_attention == "mla" and self.norm_before_fc:
+            raise ValueError(
+                "train.norm_before_fc with train.draft_attention mla: vLLM's MLA EAGLE-3 draft "
+                "has no norm over the concatenated auxiliary states; set train.norm_before_fc: "
+                "false"
+            )
+        if self.draft_attention == "mla" and self.fc_norm:
+            raise ValueError(
+                "train.fc_norm with train.draft_attention mla: the per-layer fc norms are written "
+                "and served for Llama-layer drafts only (the MLA draft's checkpoint has none); "
+                "set train.fc_norm: false or train.draft_attention: llama"
+            )
+        return self
+
+    EXECUTION = {
+        "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
+        "the uninterrupted one's steps exactly",
+        "log_every_steps": "log lines (the metrics file has every step)",
+    }
+
+    seed: int = Field(0, description="Seed for initialisation, shuffling and the split.")
+    ttt_steps: int = Field(3, ge=1, description="Training-time-test steps unrolled per position.")
+    ttt_step_loss_decay: float = Field(
+        1.0, gt=0, le=1, description="Loss weight of TTT step k is decay**k."
+    )
+    aux_noise: float = Field(
+        0.0,
+        ge=0,
+        description="Uniform noise in [-aux_noise, aux_noise] added to the verifier's auxiliary "
+        "hidden states of the training split (never the held-out one); speculators 0.7 used "
+        "0.05 (0.9 adds none for EAGLE-3).",
+    )
+    loss_positions: Literal["all", "verifier_top1_in_draft_vocab"] = Field(
+        "all",
+        description="Positions trained on: every assistant token, or only those whose verifier "
+        "top-1 (over its whole vocabulary) is in the draft vocabulary, which the draft can "
+        "propose (as EAGLE and SpecForge train). Validation and its acceptance count all.",
+    )
+    norm_before_fc: bool = Field(
+        False,
+        description="EAGLE-3.1: an RMSNorm over the concatenated auxiliary states before fc "
+        "(checkpoint key norm_before_fc, served by vLLM).",
+    )
+    norm_output: bool = Field(
+        False,
+        description="EAGLE-3.1: the state fed back to the next draft step is the normed output "
+        "instead of the one before the final norm (checkpoint key norm_output, served by vLLM).",
+    )
+    fc_norm: bool = Field(
+        False,
+        description="EAGLE-3.1 as vLLM reads it: an RMSNorm on each auxiliary state before fc "
+        "(checkpoint key fc_norm, served by vLLM; after norm_before_fc's where both are on).",
+    )
+    loss: Literal["kl", "tv", "lk_alpha", "lk_hybrid"] = Field(
+        "kl",
+        description="Per-position loss against the teacher over the draft vocabulary: forward "
+        "KL; tv, the total variation 1 - alpha (alpha = sum min(p, q), speculative sampling's "
+        "acceptance rate); lk_alpha, -log alpha; lk_hybrid, lambda KL + (1 - lambda) tv with "
+        "lambda = exp(-lk_eta alpha) (the LK losses SpecForge trains with). Validation reports KL "
+        "whichever is trained.",
+    )
+    lk_eta: float = Field(
+        3.0, gt=0, description="lk_hybrid: how soon the loss moves from KL to tv as alpha grows."
+    )
+    freeze_lm_head: bool = Field(
+        False,
+        description="Keep the draft's lm_head at the verifier's rows for the draft vocabulary "
+        "(as speculators trains) instead of training it from them.",
+    )
+    final_norm_init: Literal["verifier", "ones"] = Field(
+        "verifier",
+        description="The draft's final norm starts as the verifier's (its weight, plus the "
+        "family's offset), or at ones (as speculators starts it).",
+    )
+    draft_attention: Literal["llama", "mla"] = Field(
+        "llama",
+        description="The draft layer's attention: llama (a Llama decoder layer, speculators "
+        "format), or mla (multi-head latent attention with the verifier's MLA shape, for "
+        "DeepSeek-V3 and Kimi-K2 verifiers: a smaller KV cache, the verifier's attention "
+        "backend; written as vLLM's Eagle3DeepseekV2ForCausalLM checkpoint).",
+    )
+    epochs: int = Field(10, ge=1, description="Passes over the training split.")
+    micro_batch_budget_tokens: int = Field(
+        8192,
+        ge=16,
+        description="Most tokens per micro-batch and process, padding included (rows x longest "
+        "sample; samples of similar length are batched together). Longer samples are cut.",
+    )
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step and process; a global batch is processes "
+        "x this many micro-batches.",
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw on every trained parameter, or muon on the weight matrices (fc, "
+        "attention, MLP) with AdamW on the rest (norms, lm_head), as speculators trains.",
+    )
+    learning_rate: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    muon_learning_rate: float = Field(
+        1e-3, gt=0, description="optimizer muon: peak Muon learning rate (AdamW-matched RMS)."
+    )
+    muon_momentum: float = Field(0.95, gt=0, lt=1, description="optimizer muon: momentum.")
+    muon_weight_decay: float = Field(0.1, ge=0, description="optimizer muon: weight decay.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="Decay after the warm-up, to min_lr_ratio at the last step."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decay floor, x peak.")
+    grad_clip_norm: float = Field(1.0, gt=0, description="Gradient clipping max norm.")
+    validation_fraction: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of samples held out (a seeded split), scored every "
+        "validate_every_steps and at the end.",
+    )
+    validate_every_steps: int = Field(
+        200,
+        ge=1,
+        description="Optimizer steps between scores of the held-out split (and at the end); the "
+        "draft written is the best of them by select_by.",
+    )
+    select_by: Literal["simulated_acceptance", "validation_loss"] = Field(
+        "simulated_acceptance",
+        description="Which validation's weights are written: the highest simulated acceptance "
+        "length (as vLLM would accept greedily), or the lowest KL (as speculators keeps).",
+    )
+    checkpoint_every_steps: int = Field(
+        200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
+    )
+    log_every_steps: int = Field(10, ge=1, description="Optimizer steps between log lines.")
+    num_gpus: int = Field(
+        0,
+        ge=0,
+        description="GPUs for torchrun DDP; 0 trains on the CPU. A result setting: the number "
+        "of processes sets the global batch (processes x grad_accum_steps micro-batches), and "
+        "GPUs train in bf16.",
+    )
+    num_cpu_processes: int = Field(
+        1,
+        ge=1,
+        description="CPU only (num_gpus 0): DDP processes (gloo) under torchrun, sharing the "
+        "cores. A result setting: the number of processes sets the global batch.",
+    )
+    num_speculative_tokens: int = Field(
+        3,
+        ge=1,
+        description="Speculative tokens written into the checkpoint's proposal method, and the k "
+        "of the simulated acceptance length by which the validation whose weights are kept is "
+        "chosen.",
+    )
