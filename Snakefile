@@ -11,6 +11,7 @@ report: "report/workflow.rst"
 
 include: "rules/common.smk"
 include: "rules/demo.smk"
+include: "rules/data.smk"
 include: "rules/regenerate.smk"
 include: "rules/prepare.smk"
 include: "rules/vocab.smk"

@@ -15,6 +15,7 @@ from snakemake.settings.types import DeploymentMethod
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.data.resolve import input_files, resolve_sources
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import verifier_config
@@ -29,11 +30,38 @@ try:
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
+
+def requested_targets():
+    """What this run of Snakemake was asked to build: its targets (rule names or files), the
+    rules it is told to force or to run until (Snakemake adds them to the targets) and those of
+    its target jobs (what a cluster job runs); the default target, all, when none. Snakemake
+    9.27.1 sets workflow.dag_settings only after it has read the Snakefile: these are the
+    DAGSettings of the DAG API (snakemake.api.DAGApi) that is reading it now. Where there is none
+    (linting, listing the rules) every stage is checked, as for all."""
+    from snakemake.api import DAGApi
+
+    frame = sys._getframe()
+    while frame is not None and frame.f_code is not DAGApi.__post_init__.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return [preflight.DEFAULT_TARGET]
+    settings = frame.f_locals["self"].dag_settings
+    jobs = [getattr(job, "rulename", job) for job in settings.target_jobs or ()]
+    targets = [*(settings.targets or ()), *(settings.forcerun or ()), *(settings.until or ())]
+    return [*targets, *jobs] or [preflight.DEFAULT_TARGET]
+
+
+# The checks below refuse what the requested targets need, and warn of the rest, naming the
+# targets that cannot be built (lib/verifier/preflight.py: TARGET_STAGES); each job checks again.
+REQUESTED_TARGETS = requested_targets()
+
 # Every GPU job's GPUs against --resources gpu=N and gpus_per_node, now: Snakemake would cap a job
 # silently, and the job would fail when it starts.
 _gpu_limit = getattr(workflow.global_resources.get("gpu"), "value", None)
 try:
-    preflight.check_gpu_counts(CFG, None if _gpu_limit is None else int(_gpu_limit))
+    _warnings = preflight.check_gpu_counts(
+        CFG, None if _gpu_limit is None else int(_gpu_limit), REQUESTED_TARGETS
+    )
 except UserError as exc:
     raise WorkflowError(f"the config asks for more GPUs than there are:\n  {exc}") from None
 
@@ -49,7 +77,7 @@ if CFG.verifier is not None:
             "directory with config.json, weights and tokenizer)"
         )
     try:
-        _warnings = preflight.check_workflow(CFG, CFG.verifier)
+        _warnings += preflight.check_workflow(CFG, CFG.verifier, REQUESTED_TARGETS)
     except UserError as exc:
         raise WorkflowError(
             f"the config does not fit the verifier {CFG.verifier}:\n  "
@@ -57,7 +85,7 @@ if CFG.verifier is not None:
         ) from None
     VERIFIER_CFG = verifier_config(CFG.verifier)
 else:
-    _warnings = preflight.warnings_for(CFG)
+    _warnings += preflight.warnings_for(CFG)
 for _warning in _warnings:
     logger.warning(f"Warning: {_warning}")
 
@@ -68,8 +96,28 @@ DEMO = RESULTS / "demo"
 
 VERIFIER_DIR = Path(CFG.verifier) if CFG.verifier else DEMO / "verifier"
 VERIFIER_CONFIG = VERIFIER_DIR / "config.json"
-CHAT_DATA = Path(CFG.chat_data) if CFG.chat_data else DEMO / "chat_data.jsonl"
-EVAL_PROMPTS = Path(CFG.eval_prompts) if CFG.eval_prompts else DEMO / "eval_prompts.jsonl"
+# The sources of chat_data and eval_prompts as the jobs read them (lib/data/resolve.py): the
+# embedded default's files where none is named, sets known by name at their place, hub datasets
+# pinned to the commit recorded in sources.lock.json; their files are the rules' inputs.
+try:
+    CFG.data.chat_data, CFG.evaluate.eval_prompts, _source_warnings = resolve_sources(
+        CFG.data.chat_data, CFG.evaluate.eval_prompts, DEMO, RESULTS / "sources.lock.json"
+    )
+    _demo_files = (DEMO / "chat_data.jsonl", DEMO / "eval_prompts.jsonl")
+    DATA_FILES = input_files(CFG.data.chat_data.root, "chat_data", _demo_files)
+except UserError as exc:
+    raise WorkflowError(str(exc)) from None
+try:  # a problem of the evaluation's prompts stops only the targets that evaluate
+    EVAL_FILES = input_files(CFG.evaluate.eval_prompts.root, "eval_prompts", _demo_files)
+except UserError as exc:
+    EVAL_FILES = []
+    _errors, _later = preflight.by_targets({"evaluate": [str(exc)]}, REQUESTED_TARGETS)
+    if _errors:
+        raise WorkflowError("\n".join(_errors)) from None
+    _source_warnings += _later
+for _warning in _source_warnings:
+    logger.warning(f"Warning: {_warning}")
+CHAT_DATA = RESULTS / "data" / "chat_data.jsonl"
 # the verifier's weight files are inputs of the stages that run it: new weights, new outputs
 VERIFIER_WEIGHTS = (
     sorted(
@@ -132,7 +180,7 @@ PYTHON = (
 )
 
 
-def stage_cmd(stage, gpus=None, **extra):
+def stage_cmd(stage, gpus=None, threads_as=None, **extra):
     """A params function: the stage's whole command, `<PYTHON> -m <module> <args>`, rendered
     from its config section and the named input, output and wildcards (plus ``extra`` values).
     Snakemake does not record params computed from input/output, hence stage_config beside it.
@@ -141,13 +189,18 @@ def stage_cmd(stage, gpus=None, **extra):
     or a function of the wildcards). The command then runs under
     workflow_scripts/lib/workflow/gpus.py, which gives the job exactly that many GPUs of its own
     in CUDA_VISIBLE_DEVICES (a lease on local runs, SLURM's allocation on a cluster) and fails
-    before the stage starts when there are fewer; with 0 the command runs unchanged."""
+    before the stage starts when there are fewer; with 0 the command runs unchanged.
+
+    ``threads_as``: the stage's setting that takes the job's threads (what Snakemake gives the
+    job, cores or the cluster's allocation); params from threads are not recorded, so a change
+    of them reruns nothing."""
     spec = STAGES[stage]
     params = getattr(CFG, spec.config_key) if spec.config_key else None
 
-    def render(wildcards, input, output):
+    def render(wildcards, input, output, threads):
         files = {**dict(wildcards.items()), **dict(input.items()), **dict(output.items())}
-        args = _cli.render(stage, params, {**files, **extra})
+        given = params.model_copy(update={threads_as: threads}) if threads_as else params
+        args = _cli.render(stage, given, {**files, **extra})
         cmd = f"{PYTHON} -m {spec.module} {args}"
         if gpus is not None:
             count = gpus(wildcards) if callable(gpus) else gpus

@@ -6,7 +6,7 @@ rule evaluate_draft:
     input:
         verifier_config=VERIFIER_CONFIG,
         draft=rules.train.output.draft,
-        eval_prompts=EVAL_PROMPTS,
+        eval_prompts=EVAL_FILES,
         metrics=rules.train.output.metrics,
         code=stage_code("evaluate"),
     output:

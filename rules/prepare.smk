@@ -11,8 +11,9 @@ rule prepare:
         LOGS / "prepare.log",
     conda:
         "../envs/workflow.yaml"
+    threads: CFG.prepare.num_processes or workflow.cores
     params:
         config=stage_config("prepare"),
-        cmd=stage_cmd("prepare", verifier=VERIFIER_DIR),
+        cmd=stage_cmd("prepare", threads_as="num_processes", verifier=VERIFIER_DIR),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -41,6 +41,12 @@ EVERY_BAD_ROW = [
         b'"reasoning_content": "r", "content": "<think>r</think>a"}]}',
         "malformed",
     ),
+    # reasoning cut off before its </think> (as at a length limit)
+    (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", '
+        b'"content": "<think>reasoning cut off at the length lim"}]}',
+        "unclosed_think",
+    ),
     (b'{"messages": []}', "empty_conversation"),
     (b'{"messages": [{"role": "robot", "content": "beep"}]}', "unknown_role"),
     (b'{"messages": [{"role": 5, "content": "beep"}]}', "unknown_role"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
 #   quality. Its demo verifier is a reasoning and tool-calling one (a Qwen3-style chat template
 #   that rewrites history, conversations with reasoning and tool calls), so that this build is
 #   also the whole-workflow test of such data: regenerated, prepared, extracted, trained on,
-#   and the draft served by vLLM.
+#   and the draft served by vLLM; evaluated on two sets, the demo's prompts and HumanEval's.
 FULL_CONFIG: dict = {}
 MECHANICS_CONFIG = {
     "demo": {
@@ -59,8 +60,19 @@ MECHANICS_CONFIG = {
     "prepare": {"max_seq_len_tokens": 384},
     "vocab": {"draft_vocab_size": 256},
     "train": {"epochs": 2},
-    "evaluate": {"max_new_tokens": 16},
+    # the demo's held-out prompts, HumanEval's first and two of two turns in MT-Bench's layout
+    # (each reported on its own)
+    "eval_prompts": [
+        {"set": "demo"},
+        {"set": "humaneval"},
+        {"set": "mt_bench", "path": "mt_bench_questions.jsonl"},
+    ],
+    "evaluate": {"max_new_tokens": 16, "max_prompts": 4},
 }
+TWO_TURNS = [  # MT-Bench's layout: the second turn is served after the verifier's own answer
+    ["What is the capital of France?", "And what is the capital of Italy?"],
+    ["Count from 3 to 6.", "Now count back down."],
+]
 DEMO_OUTPUTS = {
     "verifier": "results/demo/verifier",
     "chat_data": "results/demo/chat_data.jsonl",
@@ -107,6 +119,9 @@ def mechanics_build(tmp_path_factory) -> tuple[Path, dict]:
     from tests.workflow_runner import copy_workflow, snakemake
 
     work = copy_workflow(tmp_path_factory.mktemp("mechanics"), MECHANICS_CONFIG)
+    (work / "mt_bench_questions.jsonl").write_text(
+        "".join(json.dumps({"question_id": i, "turns": t}) + "\n" for i, t in enumerate(TWO_TURNS))
+    )
     snakemake(work, "--cores", "2", "evaluate")
     return work, MECHANICS_CONFIG
 

@@ -15,7 +15,7 @@ import pytest
 from workflow_scripts.lib.hidden_states.manifest import FORMAT_VERSION
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.code_inputs import closure, direct_imports, module_file
-from workflow_scripts.lib.workflow.definitions import VocabParams
+from workflow_scripts.lib.workflow.definitions import DataParams, VocabParams
 from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,8 @@ LIB = "workflow_scripts.lib"
 LAYERS = (
     ("common",),
     ("workflow", "verifier", "draft"),
-    ("chat", "hidden_states"),
+    ("data", "hidden_states"),
+    ("chat",),
     ("demo", "regeneration", "training", "evaluation"),
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -41,7 +42,7 @@ STAGE_PACKAGES = {
 }
 MAX_TOP_LEVEL_MODULES = 3
 # Stage entries whose jobs are small CPU jobs: they must start without torch or vLLM.
-LIGHT = ("extract_merge", "regenerate_merge", "vocab")
+LIGHT = ("data", "extract_merge", "regenerate_merge", "vocab")
 MAX_LINES = 450
 
 
@@ -237,6 +238,10 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
             "vocab_map": tmp / "vocab_map.safetensors",
             "stats": tmp / "stats.json",
         }
+    if stage == "data":
+        row = {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
+        (tmp / "chats.jsonl").write_text(json.dumps(row) + "\n")
+        return {"mixture": tmp / "chat_data.jsonl", "stats": tmp / "stats.json"}
     if stage == "extract_merge":
         (tmp / "shard_000000.safetensors").write_bytes(b"0123")
         part = {
@@ -271,7 +276,10 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
 def test_light_jobs_import_neither_torch_nor_vllm(stage, tmp_path):
     """The whole job, run for real on small inputs: torch and vLLM are never loaded."""
     files = light_job_inputs(stage, tmp_path)
-    params = VocabParams(draft_vocab_size=10) if stage == "vocab" else None
+    params = {
+        "vocab": VocabParams(draft_vocab_size=10),
+        "data": DataParams(chat_data=str(tmp_path / "chats.jsonl")),
+    }.get(stage)
     argv = cli.render(stage, params, files)
     code = (
         "import runpy, shlex\n"
@@ -279,7 +287,12 @@ def test_light_jobs_import_neither_torch_nor_vllm(stage, tmp_path):
         f"runpy.run_module('{STAGES[stage].module}', run_name='__main__')"
     )
     loaded = loaded_modules(code)
-    outputs = {"vocab": "vocab_map", "extract_merge": "manifest", "regenerate_merge": "regenerated"}
+    outputs = {
+        "vocab": "vocab_map",
+        "data": "mixture",
+        "extract_merge": "manifest",
+        "regenerate_merge": "regenerated",
+    }
     assert files[outputs[stage]].is_file()  # the job ran to its end
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "vllm", "transformers")}
     assert not heavy, sorted(heavy)[:10]

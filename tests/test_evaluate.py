@@ -1,5 +1,5 @@
-"""evaluate's prompt file: the prompts it takes, and every bad row named with file and line
-(the engines themselves run in tests/test_pipeline.py)."""
+"""evaluate's prompts: the rows it takes, and every bad row named with file and line (the
+engines themselves run in tests/test_pipeline.py; sets in other layouts in tests/test_data.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.evaluation.acceptance import load_prompts
+from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets
+from workflow_scripts.lib.workflow.sources import PromptSource
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -25,6 +26,11 @@ def tokenizer(tmp_path_factory):
     chatml = build_chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
     path = refusing_tokenizer(tmp_path_factory.mktemp("refusing"), chatml)
     return ChatTemplate(AutoTokenizer.from_pretrained(path), verifier_dir=path)
+
+
+def load_prompts(path: Path, template, limit: int | None) -> list[dict]:
+    """The prompts of one file, as evaluate reads a set."""
+    return load_prompt_sets([PromptSource(path=str(path))], template, limit)
 
 
 def write(path: Path, lines: list[bytes]) -> Path:
@@ -39,11 +45,17 @@ def test_prompts_from_both_row_kinds(tokenizer, tmp_path):
         json.dumps({"messages": QUESTION}).encode(),
         json.dumps({"conversations": [{"from": "human", "value": "hi"}]}).encode(),
     ]
-    prompts = load_prompts(write(tmp_path / "p.jsonl", rows), tokenizer, None)
-    assert [p["id"] for p in prompts] == ["a", "line3", "line4"]
+    path = write(tmp_path / "p.jsonl", rows)
+    prompts = load_prompts(path, tokenizer, None)
+    assert [p["id"] for p in prompts] == ["a", f"{path}:3", f"{path}:4"]
+    assert {p["set"] for p in prompts} == {"p"}
     assert prompts[0]["prompt_token_ids"] == tokenizer.prompt_ids(QUESTION)
     assert prompts[0]["prompt_token_ids"] == prompts[1]["prompt_token_ids"]
     assert len(load_prompts(tmp_path / "p.jsonl", tokenizer, 2)) == 2
+    one = PromptSource(path=str(path), rows=1)
+    assert len(load_prompt_sets([one], tokenizer, 2)) == 1  # the set's own rows
+    with pytest.raises(UserError, match=r"p.jsonl:1: the prompt has \d+ tokens.*max_model_len"):
+        load_prompt_sets([one], tokenizer, None, max_len=3)
 
 
 BAD_PROMPTS = [raw for raw, reason in EVERY_BAD_ROW if reason != "no_assistant_tokens"] + [

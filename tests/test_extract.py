@@ -348,10 +348,13 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
             "evaluate": {"max_model_len_tokens": MAX_LEN},  # the verifier's positions: 512
         },
     )
-    prepared = work / "results" / "prepare"
-    prepared.mkdir(parents=True)
-    (prepared / "tokenized_data.jsonl").write_bytes(tokenized.read_bytes())
-    (prepared / "stats.json").write_text("{}")
+    for stage, name, data in (  # the stages before extraction, as if done (in their order)
+        ("data", "chat_data.jsonl", tokenized.read_bytes()),
+        ("prepare", "tokenized_data.jsonl", tokenized.read_bytes()),
+    ):
+        (work / "results" / stage).mkdir(parents=True)
+        (work / "results" / stage / name).write_bytes(data)
+        (work / "results" / stage / "stats.json").write_text("{}")
     assert planned(work, "hidden_states") == {"extract": 2, "extract_merge": 1}
     snakemake(work, "hidden_states", "--cores", "2", "--set-threads", "extract=1")
 

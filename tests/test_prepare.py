@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+import yaml
 from transformers import AutoTokenizer
 
 from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
+from tests.chat_families import FAMILIES, build_tokenizer, conversation_set
 from tests.tokenizers_for_tests import build_chatml_tokenizer
+from tests.workflow_runner import copy_workflow
+from workflow_scripts.lib.chat import dataset
 from workflow_scripts.lib.chat.dataset import tokenize_chat_file, tokenize_conversation
 from workflow_scripts.lib.chat.rows import BadRow, normalize
-from workflow_scripts.lib.chat.template import ChatTemplate
+from workflow_scripts.lib.chat.template import ChatTemplate, load_template
 from workflow_scripts.lib.common import Progress, UserError
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import PrepareParams
+from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -334,3 +341,103 @@ def test_an_assistant_turn_with_nothing_in_it_is_a_bad_row(chatml_dir):
             tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}], 99
         )
     assert err.value.reason == "empty_turn"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@pytest.fixture(scope="module")
+def qwen3_chat(tmp_path_factory):
+    """A Qwen3-family verifier (its template drops earlier reasoning: conversations of two rows)
+    and its 36 conversations with a bad row after every third, as one file."""
+    tmp = tmp_path_factory.mktemp("qwen3")
+    verifier = build_tokenizer(FAMILIES["qwen3"], tmp / "verifier")
+    lines = []
+    for i, row in enumerate(conversation_set("qwen3")):
+        lines.append(json.dumps(row).encode())
+        if i % 3 == 2:
+            lines.append(EVERY_BAD_ROW[i // 3][0])
+    data = tmp / "chat.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    return verifier, data
+
+
+def tokenize_with(verifier, data, processes, on_bad_row, max_len=64):
+    settings = ChatTemplateSettings()
+    out = io.StringIO()
+    stats = tokenize_chat_file(
+        data,
+        load_template(verifier, settings),
+        max_len,
+        on_bad_row,
+        out,
+        Progress("t", None),
+        processes=processes,
+        load=partial(load_template, verifier, settings),
+    )
+    return out.getvalue(), stats
+
+
+def test_the_output_is_the_same_bytes_for_any_number_of_processes(qwen3_chat, monkeypatch):
+    """Bad rows, conversations of two rows, rows truncated, conversations left without a
+    supervised token, under skip, in chunks of 4 lines: 2 and 3 processes write what one
+    writes, byte for byte, and count the same."""
+    verifier, data = qwen3_chat
+    monkeypatch.setattr(dataset, "CHUNK_LINES", 4)
+    text, stats = tokenize_with(verifier, data, 1, "skip")
+    assert stats["truncated_rows"] > 0 and stats["rows_per_conversation"].keys() == {"1", "2"}
+    assert {"malformed", "not_utf8", "no_assistant_tokens"} <= stats["dropped"].keys()
+    for processes in (2, 3):
+        assert tokenize_with(verifier, data, processes, "skip") == (text, stats)
+
+
+def test_under_fail_the_first_bad_row_in_input_order_is_named(qwen3_chat, monkeypatch, tmp_path):
+    """The first bad row ends a chunk of three conversations; the chunk after it, of bad rows
+    only, is done first by the other process: the first one is still the one named."""
+    verifier, _ = qwen3_chat
+    monkeypatch.setattr(dataset, "CHUNK_LINES", 4)
+    good = [json.dumps(row).encode() for row in conversation_set("qwen3")[:6]]
+    bad = [raw for raw, reason in EVERY_BAD_ROW if reason == "malformed"][:4]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(b"\n".join(good[:3] + [b"{not json"] + bad + good[3:]) + b"\n")
+    for processes in (1, 2):
+        with pytest.raises(UserError, match=rf"^{re.escape(str(data))}:4: not valid JSON"):
+            tokenize_with(verifier, data, processes, "fail")
+
+
+def dry_run_commands(work: Path, cores: int, config: dict) -> str:
+    """The shell commands a dry-run of vocab_map prints (Snakemake's API, in this process)."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import (
+        ConfigSettings,
+        DAGSettings,
+        OutputSettings,
+        ResourceSettings,
+        StorageSettings,
+    )
+
+    (work / "test_config.yaml").write_text(yaml.safe_dump(config))
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+        with SnakemakeApi(OutputSettings(printshellcmds=True)) as api:
+            workflow = api.workflow(
+                resource_settings=ResourceSettings(cores=cores),
+                config_settings=ConfigSettings(configfiles=[work / "test_config.yaml"]),
+                storage_settings=StorageSettings(),
+                snakefile=work / "Snakefile",
+                workdir=work,
+            )
+            dag = workflow.dag(dag_settings=DAGSettings(targets={"vocab_map"}))
+            dag.execute_workflow(executor="dryrun")
+    return out.getvalue()
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize("cores, config, expected", [(3, {}, 3), (3, {"num_processes": 1}, 1)])
+def test_the_rule_gives_prepare_the_jobs_threads(tmp_path, cores, config, expected):
+    """prepare's processes are the job's threads: every core it is given, or
+    prepare.num_processes."""
+    work = copy_workflow(tmp_path / "work")
+    out = dry_run_commands(work, cores, {"prepare": config})
+    command = next(line for line in out.splitlines() if "workflow_scripts.stages.prepare" in line)
+    assert f"--num-processes {expected} " in command, command

@@ -3,20 +3,23 @@ chat template (tests/chat_families.py: Qwen3, Kimi-K2-Thinking and K2.5, DeepSee
 gpt-oss, Llama-3.1, GLM-4.5, Mistral), on a tokenizer holding its special tokens, a set of 36
 conversations (reasoning as a field and inline, tool-call chains): no conversation lost, each
 assistant turn supervised exactly as the verifier generates it after the prompt it is served,
-nothing else supervised."""
+nothing else supervised; and the reasoning it refuses or resolves: a <think> block never closed,
+reasoning fields that disagree, reasoning where the served verifier writes none."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
 
 from tests.chat_families import FAMILIES, build_tokenizer, conversation_set
 from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_chat_file, tokenize_rows
+from workflow_scripts.lib.chat.rows import BadRow
 from workflow_scripts.lib.chat.template import ChatTemplate
-from workflow_scripts.lib.common import Progress
+from workflow_scripts.lib.common import Progress, UserError
 
 MAX_LEN = 1 << 20
 
@@ -30,6 +33,21 @@ def family(request, tmp_path_factory):
         AutoTokenizer.from_pretrained(path), fam.serving_kwargs, "2026-01-01", path
     )
     return fam, template, conversation_set(fam)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """served(name, kwargs): the family's ChatTemplate with ``kwargs``, its tokenizer built once
+    per module."""
+    paths: dict = {}
+
+    def get(name: str, kwargs: dict) -> ChatTemplate:
+        if name not in paths:
+            paths[name] = build_tokenizer(FAMILIES[name], tmp_path_factory.mktemp(name))
+        tokenizer = AutoTokenizer.from_pretrained(paths[name])
+        return ChatTemplate(tokenizer, kwargs, "2026-01-01", paths[name])
+
+    return get
 
 
 def runs(row):
@@ -53,7 +71,7 @@ def test_no_conversation_is_lost(family, tmp_path):
     out = io.StringIO()
     stats = tokenize_chat_file(data, template, MAX_LEN, "fail", out, Progress("t", None))
     assert stats["rows_in"] == stats["conversations_out"] == 36, stats
-    assert stats["dropped"] == {}
+    assert stats["dropped"] == {} and stats["reasoning_fields_disagree"] == 0
     written = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(written) == stats["rows_out"] >= 36
     assert {r["source_line"] for r in written} == set(range(1, 37))
@@ -124,3 +142,103 @@ def test_regenerated_text_splits_into_the_reasoning_and_answer_it_was_made_of(fa
             said = conv.texts(j)
             assert answer == said["answer"], (raw["id"], j)
             assert (reasoning or "") == said["reasoning"], (raw["id"], j)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def test_an_unclosed_think_block_is_a_bad_row(family, tmp_path):
+    """Reasoning cut off before its </think> (as at a length limit): a bad row of its own
+    reason, never supervised; under fail named with file, line and the setting."""
+    fam, template, rows = family
+    cut = {"messages": [user("question"), {"role": "assistant", "content": "<think>cut off at"}]}
+    with pytest.raises(BadRow) as err:
+        tokenize_rows(template, read_conversation(cut), MAX_LEN)
+    assert err.value.reason == "unclosed_think"
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n" + json.dumps(cut) + "\n")
+    stats = tokenize_chat_file(data, template, MAX_LEN, "skip", io.StringIO(), Progress("t", None))
+    assert stats["dropped"] == {"unclosed_think": 1} and stats["conversations_out"] == 1
+    where = re.escape(f"{data}:2: message 1 opens a <think> block")
+    with pytest.raises(UserError, match=where + ".*prepare.on_bad_row: skip"):
+        tokenize_chat_file(data, template, MAX_LEN, "fail", io.StringIO(), Progress("t", None))
+
+
+@pytest.mark.parametrize("name", [name for name, fam in FAMILIES.items() if fam.reasoning])
+def test_reasoning_fields_that_disagree_are_counted_and_the_first_by_precedence_kept(
+    served, tmp_path, name
+):
+    """Two reasoning fields with different texts: reasoning_content, then reasoning, then
+    thinking is the one supervised, whichever the template reads; each such assistant message
+    counted in the statistics; the same text under two names is no disagreement."""
+    row = {
+        "messages": [
+            user("question one"),
+            {"role": "assistant", "content": "answer one", "reasoning_content": "kept one",
+             "thinking": "dropped one"},
+            user("question two"),
+            {"role": "assistant", "content": "answer two", "reasoning": "same two",
+             "thinking": "same two"},
+            user("question three"),
+            {"role": "assistant", "content": "answer three", "reasoning": "kept three",
+             "thinking": "dropped three"},
+        ]
+    }  # fmt: skip
+    template = served(name, FAMILIES[name].serving_kwargs)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    out = io.StringIO()
+    stats = tokenize_chat_file(data, template, MAX_LEN, "fail", out, Progress("t", None))
+    assert stats["reasoning_fields_disagree"] == 2, stats
+    written = [json.loads(line) for line in out.getvalue().splitlines()]
+    supervised = " ".join(
+        template.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in written
+    )
+    for text in ("kept one", "same two", "kept three"):
+        assert text in supervised, (text, supervised)
+    assert "dropped" not in supervised, supervised
+
+
+CALL_ID = "functions.get_weather:0"  # as Kimi's template prints it in place of the name
+CALL = {"id": CALL_ID, "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+RESULT = {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather", "content": "sunny"}
+WITH_REASONING = [
+    [user("question"), {"role": "assistant", "content": "answer", "reasoning_content": "why"}],
+    [user("question"), {"role": "assistant", "content": "<think>why</think>answer"}],
+    # the reasoning only on the answer after a tool result, where DeepSeek-V3.1 serves no
+    # generation prompt at all
+    [user("question"), {"role": "assistant", "content": "", "tool_calls": [CALL]}, RESULT,
+     {"role": "assistant", "content": "answer", "thinking": "why"}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("deepseek_v31", {}),
+        ("qwen3", {"enable_thinking": False}),
+        ("kimi_k25", {"thinking": False}),
+        ("glm45", {"enable_thinking": False}),
+        ("llama31", {}),
+    ],
+)
+def test_reasoning_where_the_verifier_writes_none_is_a_bad_row(served, name, kwargs):
+    """A template whose generation prompt closes thinking (DeepSeek-V3.1 by default, Qwen3, GLM
+    and Kimi-K2.5 with thinking off) refuses a turn's reasoning as Llama 3.1's, which renders
+    none: the same reason, naming what to change; the same turns without their reasoning are
+    supervised with no <think> block."""
+    template = served(name, kwargs)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    for messages in WITH_REASONING:
+        conv = read_conversation({"tools": tools, "messages": messages})
+        with pytest.raises(BadRow) as err:
+            tokenize_rows(template, conv, MAX_LEN)
+        assert err.value.reason == "reasoning_not_rendered", (messages, str(err.value))
+        assert "drop the reasoning" in str(err.value), str(err.value)
+        for msg in conv.messages:
+            msg.pop("reasoning", None)
+        rows, _ = tokenize_rows(template, conv, MAX_LEN)
+        texts = [template.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m]) for r in rows]
+        assert "answer" in texts[-1] and not any("<think>" in t for t in texts), (name, texts)

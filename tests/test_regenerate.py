@@ -86,7 +86,7 @@ def test_conversation_without_user_turn_is_a_bad_row():
 
 def test_conversation_replays_plan_with_its_own_answers():
     conv = regeneration.Conversation(
-        "c", 1, regeneration.answer_plan([S, U("a"), A("x"), U("b"), A("y")])
+        "c", 1, "chats.jsonl:1", regeneration.answer_plan([S, U("a"), A("x"), U("b"), A("y")])
     )
     assert conv.next_prompt() == [S, U("a")]
     conv.messages.append(A("mine"))
@@ -97,7 +97,7 @@ def test_conversation_replays_plan_with_its_own_answers():
 
 def test_context_full_ends_at_last_answer():
     conv = regeneration.Conversation(
-        "c", 1, regeneration.answer_plan([U("a"), A("x"), U("b"), A("y")])
+        "c", 1, "chats.jsonl:1", regeneration.answer_plan([U("a"), A("x"), U("b"), A("y")])
     )
     conv.next_prompt()
     conv.messages.append(A("mine"))

@@ -101,9 +101,34 @@ def test_data_change_plans_everything(built):
     original = data.read_text()
     data.write_text(original + json.dumps(CHAT[0]) + "\n")
     try:
-        assert planned_in_process(work, "vocab_map", config) == {"prepare": 1, "vocab": 1}
+        assert planned_in_process(work, "vocab_map", config) == {
+            "data": 1,
+            "prepare": 1,
+            "vocab": 1,
+        }
     finally:
         data.write_text(original)
+
+
+def test_a_mixture_change_plans_the_data_stage_and_after(built):
+    """Which rows the sources give is a result; how the data stage logs is not; the evaluation
+    sets are no input of the chat data."""
+    work, config = built
+    for changed in (
+        {**config, "chat_data": [{"path": "chat.jsonl", "rows": 2}]},
+        {**config, "chat_data": [{"path": "chat.jsonl", "layout": "messages"}]},
+        {**config, "chat_data": [{"path": "chat.jsonl", "weight": 1}], "data": {"num_rows": 2}},
+    ):
+        assert planned_in_process(work, "vocab_map", changed) == {
+            "data": 1,
+            "prepare": 1,
+            "vocab": 1,
+        }, changed
+    for unchanged in (
+        {**config, "data": {"progress_interval_s": 1}},
+        {**config, "eval_prompts": [{"path": "chat.jsonl"}, {"set": "humaneval"}]},
+    ):
+        assert planned_in_process(work, "vocab_map", unchanged) == {}, unchanged
 
 
 @pytest.mark.parametrize(
@@ -179,15 +204,15 @@ DRY_RUN_ERRORS = {
     ),
     "chat data missing": (
         {"chat_data": "missing.jsonl"},
-        r"config key 'chat_data': missing\.jsonl does not exist",
+        r"config key 'chat_data\[0\]\.path': missing\.jsonl does not exist",
     ),
 }
 
 
 def dry_run(work: Path, config: dict) -> tuple[bool, str]:
-    """`snakemake -n draft_ckpt` with ``config``, in this process: (whether it passed, the error
-    and everything it wrote)."""
-    error, out = dry_run_in_process(work, "draft_ckpt", config)
+    """`snakemake -n evaluate` (a target that needs every stage, so that every check refuses) with
+    ``config``, in this process: (whether it passed, the error and everything it wrote)."""
+    error, out = dry_run_in_process(work, "evaluate", config)
     return error is None, f"{error or ''}\n{out}"
 
 

@@ -26,7 +26,8 @@ from workflow_scripts.lib.common import (
 )
 from workflow_scripts.lib.evaluation.acceptance import (
     acceptance_with_ci,
-    load_prompts,
+    load_prompt_sets,
+    per_set,
     run_in_child,
     simulated_acceptance,
 )
@@ -47,10 +48,14 @@ def main() -> None:
             f"{io.draft}/config.json is neither an EAGLE-3 speculators checkpoint nor an MLA "
             "EAGLE-3 draft (Eagle3DeepseekV2ForCausalLM)"
         )
-    prompts = load_prompts(
-        io.eval_prompts, load_template(io.verifier, p.chat_template), p.max_prompts
+    sets = p.eval_prompts.root
+    template = load_template(io.verifier, p.chat_template)
+    prompts = load_prompt_sets(sets, template, p.max_prompts, p.max_model_len_tokens)
+    log.info(
+        "evaluate: %d prompts: %s",
+        len(prompts),
+        ", ".join(f"{s.label} {sum(q['set'] == s.label for q in prompts)}" for s in sets),
     )
-    log.info("evaluate: %d prompts from %s", len(prompts), io.eval_prompts)
 
     dtype = preflight.check_evaluate(p, verifier_files.verifier_config(io.verifier))
     engine.check_devices(p, "evaluate", dtype=dtype)
@@ -87,6 +92,9 @@ def main() -> None:
             "max_new_tokens": p.max_new_tokens,
             "seed": 0,
             "use_gpus": p.use_gpus,
+            "verifier": str(io.verifier),
+            "chat_template": p.chat_template.model_dump(),
+            "max_model_len": p.max_model_len_tokens,
         }
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"
@@ -122,8 +130,9 @@ def main() -> None:
         {
             "verifier": str(io.verifier),
             "draft": str(io.draft),
-            "eval_prompts": str(io.eval_prompts),
+            "eval_prompts": [s.model_dump(mode="json", exclude_none=True) for s in sets],
             "num_prompts": len(prompts),
+            "sets": per_set(prompts, results["runs"]),
             "num_speculative_tokens": k,
             "max_new_tokens": p.max_new_tokens,
             "greedy_mismatches": mismatches,

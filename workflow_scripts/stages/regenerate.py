@@ -85,7 +85,7 @@ def main() -> None:
             rows = range(b * B, min(usable, (b + 1) * B))
             convs = list(read_conversations(io.chat_data, index, rows))
             counts = answer_batch(llm, template, p, convs, progress)
-            result = batch_result(p, convs, counts, io.chat_data)
+            result = batch_result(p, convs, counts)
             with atomic_path(batch_path(io.work_dir, b)) as tmp:
                 tmp.write_text(json.dumps({"fingerprint": expected, **result}, ensure_ascii=False))
             progress.update(len(convs))

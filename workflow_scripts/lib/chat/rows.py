@@ -3,14 +3,18 @@ ShareGPT ``{"conversations": [{"from", "value"}]}``, a row-level ``tools`` list,
 reasoning under any of its names (``reasoning_content``, ``reasoning``, ``thinking``) or inline as
 ``<think>...</think>`` in the content, assistant ``tool_calls`` (arguments as an object or a JSON
 string), and tool results (role ``tool``, ``ipython`` or ``function``, with ``tool_call_id`` and
-``name``). Unknown fields are ignored; unknown roles are bad rows.
+``name``). Unknown fields are ignored; unknown roles are bad rows. Where a message holds different
+reasoning texts under two names, the first of ``REASONING_KEYS`` is kept and the message counted
+(``Conversation.reasoning_fields_disagree``).
 
 A bad row is never a traceback: each kind is a ``BadRow`` with a reason that the stages count
 (``on_bad_row: skip``) or report with file and line (``fail``): ``not_utf8``, ``malformed`` (not
 JSON, not an object, no messages, a message without role or content, content not a string, a
-tool call without a name or with arguments that are not a JSON object), ``empty_conversation``,
-``unknown_role``; and from the chat template (``turns.py``): ``template_error`` and the reasons of
-a turn that cannot be supervised exactly as generated.
+tool call without a name or with arguments that are not a JSON object), ``unclosed_think`` (an
+assistant content that opens a <think> block and never closes it: reasoning cut off, as at a
+length limit), ``empty_conversation``, ``unknown_role``; and from the chat template
+(``turns.py``): ``template_error`` and the reasons of a turn that cannot be supervised exactly as
+generated.
 """
 
 from __future__ import annotations
@@ -19,10 +23,18 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.data.rows import (  # noqa: F401 (BadRow and the readers, re-exported)
+    BAD_ROW,
+    SOURCE,
+    SOURCE_ROW,
+    BadRow,
+    origin,
+    parse_line,
+    read_lines,
+)
 
 log = logging.getLogger("eagle3")
 MAX_LOGGED_SKIPS = 20  # bad rows logged one by one; the rest are only counted
@@ -39,16 +51,8 @@ ROLES = {
     "ipython": "tool",
     "function": "tool",
 }
-REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # in precedence order
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-class BadRow(ValueError):
-    """A conversation that cannot be used; ``reason`` is a short key counted in the stats."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
 
 
 def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str, setting: str) -> None:
@@ -61,42 +65,20 @@ def skip_or_fail(counts: Counter, bad: BadRow, where: str, on_bad_row: str, sett
         log.warning("%s: skipped: %s", where, bad)
 
 
-def read_lines(path: Path | str) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank line of a JSONL file, streamed."""
-    with open(path, "rb") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if line.strip():
-                yield line_no, line
-
-
-def parse_line(raw: bytes) -> Any:
-    """One JSONL line -> its JSON value; a BadRow if it is not UTF-8 or not JSON. A byte-order
-    mark before the first row is allowed."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRow(
-            "not_utf8", f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
-        ) from None
-    try:
-        return json.loads(text.removeprefix("\ufeff"))
-    except json.JSONDecodeError as exc:
-        raise BadRow("malformed", f"not valid JSON ({exc.msg})") from None
-    except RecursionError:
-        raise BadRow("malformed", "not valid JSON (nested too deeply)") from None
-
-
 @dataclass
 class Conversation:
     """A row in one form. ``messages``: dicts with ``role`` (system, user, assistant, tool) and
     ``content`` (a string); assistant messages may hold ``reasoning`` (a string) and
     ``tool_calls`` ([{"id", "name", "arguments" (an object), "arguments_text" (the JSON string
-    as the row gave it, or None)}]); tool messages ``tool_call_id`` and ``name``."""
+    as the row gave it, or None)}]); tool messages ``tool_call_id`` and ``name``.
+    ``reasoning_fields_disagree``: the assistant messages whose reasoning fields held different
+    texts (the first of REASONING_KEYS kept)."""
 
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
     row_id: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    reasoning_fields_disagree: list[int] = field(default_factory=list)
 
     def texts(self, i: int) -> dict[str, Any]:
         """What message ``i`` says that a supervised turn must contain: its reasoning, its
@@ -113,6 +95,8 @@ def normalize(row: Any) -> Conversation:
     """A JSONL row (already parsed) as a Conversation; a BadRow saying what is wrong."""
     if not isinstance(row, dict):
         raise BadRow("malformed", f"a row must be a JSON object, not {_kind(row)}")
+    if isinstance(row.get(BAD_ROW), dict):  # a source row the data stage could not read
+        raise BadRow(str(row[BAD_ROW].get("reason")), str(row[BAD_ROW].get("detail")))
     if "messages" in row:
         raw, role_key, text_key, key = row["messages"], "role", "content", "messages"
     elif "conversations" in row:
@@ -129,7 +113,15 @@ def normalize(row: Any) -> Conversation:
     ):
         raise BadRow("malformed", f"'tools' must be a list of objects, not {_kind(tools)}")
     messages = [_message(i, msg, role_key, text_key) for i, msg in enumerate(raw)]
-    return Conversation(messages=messages, tools=tools or None, row_id=row.get("id"))
+    disagree = [
+        i for i, msg in enumerate(messages) if msg["role"] == "assistant" and _disagree(raw[i])
+    ]
+    return Conversation(
+        messages=messages,
+        tools=tools or None,
+        row_id=row.get("id"),
+        reasoning_fields_disagree=disagree,
+    )
 
 
 def _message(i: int, msg: Any, role_key: str, text_key: str) -> dict[str, Any]:
@@ -152,6 +144,13 @@ def _message(i: int, msg: Any, role_key: str, text_key: str) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content or ""}
     if role == "assistant":
         reasoning = _reasoning(i, msg)
+        if out["content"].lstrip().startswith(THINK_OPEN) and THINK_CLOSE not in out["content"]:
+            raise BadRow(
+                "unclosed_think",
+                f"message {i} opens a <think> block that its {text_key} never closes: the "
+                "reasoning was cut off (as at a length limit) and no answer follows it; complete "
+                "the turn, or drop the row",
+            )
         if THINK_CLOSE in out["content"]:
             if reasoning is not None:
                 raise BadRow(
@@ -173,12 +172,18 @@ def _message(i: int, msg: Any, role_key: str, text_key: str) -> dict[str, Any]:
 
 
 def _reasoning(i: int, msg: dict) -> str | None:
+    """The reasoning of message ``i``: the first of REASONING_KEYS that is set."""
     found = [msg[k] for k in REASONING_KEYS if msg.get(k) not in (None, "")]
     if not found:
         return None
     if not all(isinstance(r, str) for r in found):
         raise BadRow("malformed", f"message {i} has reasoning that is not a string")
     return found[0]
+
+
+def _disagree(msg: dict) -> bool:
+    """Whether two reasoning fields of ``msg`` hold different texts (whitespace around aside)."""
+    return len({msg[k].strip() for k in REASONING_KEYS if msg.get(k) not in (None, "")}) > 1
 
 
 def _tool_calls(i: int, raw: Any) -> list[dict[str, Any]]:

@@ -8,7 +8,10 @@ small probe conversations once:
 * how it writes an assistant turn's reasoning where it keeps it (the text around it: Qwen3's
   ``<think>\\n...\\n</think>\\n\\n``, Kimi's ``<think>...</think>``, gpt-oss's analysis channel);
 * the tokens that end a generation (the verifier's generation config, as vLLM stops), and the one
-  that ends an assistant turn where the template writes none after it (GLM: the next role token).
+  that ends an assistant turn where the template writes none after it (GLM: the next role token);
+* whether its generation prompt closes the <think> block, so that the verifier writes no
+  reasoning (thinking off: DeepSeek-V3.1 by default, Qwen3 and GLM with ``enable_thinking:
+  false``, Kimi-K2.5 with ``thinking: false``).
 """
 
 from __future__ import annotations
@@ -119,6 +122,10 @@ class ChatTemplate:
     def next_role_stop(self) -> dict[str, int]:
         return self._probe_next_role_stops()
 
+    @cached_property
+    def thinking_off(self) -> bool:
+        return self._probe_thinking_off()
+
     # ------------------------------------------------------------------ rendering
 
     def template_messages(
@@ -184,6 +191,17 @@ class ChatTemplate:
             return inner.split(THINK_OPEN)[-1].strip(), answer.strip()
         return None, text.strip()
 
+    def answer_message(self, prompt: str, sampled: list[int]) -> dict[str, Any]:
+        """The assistant message the verifier wrote with ``sampled`` (its generated ids, a final
+        stop token left out) after ``prompt``: its answer, and its reasoning where it wrote
+        some, as the next turn's history holds them."""
+        body = sampled[:-1] if sampled and sampled[-1] in self.stop_ids else sampled
+        reasoning, answer = self.split_reasoning(prompt, self.decode(body))
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
+        if reasoning is not None:
+            message["reasoning"] = reasoning
+        return message
+
     def prompt_ids(self, messages: list[dict[str, Any]], tools=None) -> list[int]:
         """The token ids the verifier is served for ``messages``: the template with its
         generation prompt, tokenized as rendered (no tokens added)."""
@@ -246,6 +264,15 @@ class ChatTemplate:
                 after=b[head:end_b],
             )
         return None
+
+    def _probe_thinking_off(self) -> bool:
+        """Whether the generation prompt after a user message ends with </think> (whitespace
+        aside): the template closes the reasoning block, and the verifier writes none."""
+        try:
+            prompt = self.render([{"role": "user", "content": PROBE_USER}], generation_prompt=True)
+        except BadRow:
+            return False
+        return prompt.rstrip().endswith(THINK_CLOSE)
 
     def _probe_next_role_stops(self) -> dict[str, int]:
         """For templates that write no end token after an assistant turn (GLM): the stop token

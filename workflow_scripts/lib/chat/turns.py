@@ -11,7 +11,10 @@ where the template writes the history differently once the turn follows (Kimi, g
 tool call, Mistral's system text), from the same history rendered before a stand-in of the turn;
 and where it drops the turn's own reasoning (Kimi's final answers, DeepSeek every turn), with the
 reasoning written back as the template writes it elsewhere (``ReasoningFormat``) or, for
-templates that never render it, into the <think> block their generation prompt opens.
+templates that never render it, into the <think> block their generation prompt opens. Reasoning
+the verifier never writes is a bad row (``reasoning_not_rendered``): where the template renders
+none and opens no <think> block (Llama 3.1), and where its generation prompt closes the block
+(thinking off: DeepSeek-V3.1 by default, Qwen3 with ``enable_thinking: false``, ...).
 
 Rows: the turns of a conversation share a row while each turn's served prompt extends the row so
 far, token for token; a turn whose prompt rewrites the history (Qwen3 drops earlier reasoning
@@ -127,8 +130,18 @@ def cut_at_stop(ct: ChatTemplate, ids: list[int], follower: str | None) -> list[
 def template_turn(ct: ChatTemplate, conv: Conversation, j: int) -> tuple[list[int], str, list[int]]:
     """(served prompt ids, generated text, generated ids) of assistant message ``j``."""
     prompt = ct.render(conv.messages[:j], conv.tools, generation_prompt=True)
-    text = generated_text(ct, conv, j, prompt)
     reasoning = conv.texts(j)["reasoning"]
+    # thinking off: the served prompt closes the <think> block, or the template's does after a
+    # user message (DeepSeek-V3.1 serves none after a tool result)
+    if reasoning and (ct.thinking_off or prompt.rstrip().endswith(THINK_CLOSE)):
+        raise BadRow(
+            "reasoning_not_rendered",
+            f"message {j} has reasoning, but the chat template's generation prompt (with the "
+            "chat_template.kwargs given) closes the <think> block, so the verifier writes none; "
+            "drop the reasoning, or switch thinking on in chat_template.kwargs (thinking: true "
+            "for DeepSeek-V3.1 and Kimi-K2.5, enable_thinking: true for Qwen3 and GLM)",
+        )
+    text = generated_text(ct, conv, j, prompt)
     if reasoning and reasoning not in text:
         text = with_reasoning(ct, prompt, text, reasoning, j)
     follower = conv.messages[j + 1]["role"] if j + 1 < len(conv.messages) else None

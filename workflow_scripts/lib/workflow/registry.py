@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflow_scripts.lib.workflow.definitions import (
+    DataParams,
     DemoParams,
     EvaluateParams,
     ExtractParams,
@@ -32,6 +33,16 @@ class DemoIO(StageIO):
     verifier: Path = Field(description="Output: verifier model directory (config.json inside).")
     chat_data: Path = Field(description="Output: generated training conversations (JSONL).")
     eval_prompts: Path = Field(description="Output: held-out evaluation prompts (JSONL).")
+
+
+class DataIO(StageIO):
+    mixture: Path = Field(
+        description="Output: the conversations of every source, mixed (JSONL; each row names "
+        "its source and row in 'source_row')."
+    )
+    stats: Path = Field(
+        description="Output: rows per source (available, taken), the sources as read (JSON)."
+    )
 
 
 class RegenerateIO(StageIO):
@@ -98,7 +109,6 @@ class TrainIO(StageIO):
 class EvaluateIO(StageIO):
     verifier: Path = Field(description="Input: verifier directory.")
     draft: Path = Field(description="Input: draft checkpoint directory.")
-    eval_prompts: Path = Field(description="Input: evaluation prompts (JSONL).")
     metrics: Path = Field(description="Input: training metrics (JSONL).")
     results: Path = Field(description="Output: evaluation results (JSON).")
     plot_dir: Path = Field(description="Output: directory of plots (PNG).")
@@ -136,6 +146,7 @@ STAGES: dict[str, Stage] = {
     name: _stage(name, params, io)
     for name, params, io in (
         ("demo", DemoParams, DemoIO),
+        ("data", DataParams, DataIO),
         ("regenerate", RegenerateParams, RegenerateIO),
         ("regenerate_merge", None, RegenerateMergeIO),
         ("prepare", PrepareParams, PrepareIO),

@@ -1,0 +1,22 @@
+# The chat data's sources (config key chat_data: files, directories, globs, saved or hub
+# datasets) -> one JSON Lines file, mixed by each source's rows or weight. The source files are
+# inputs (a changed file reruns it); a hub dataset is pinned to a commit in its params.
+rule data:
+    """The chat data's sources -> one file of conversations, each naming its source and row."""
+    input:
+        sources=DATA_FILES,
+        code=stage_code("data"),
+    output:
+        mixture=RESULTS / "data" / "chat_data.jsonl",
+        stats=report(RESULTS / "data" / "stats.json", category="Data"),
+    log:
+        LOGS / "data.log",
+    benchmark:
+        BENCHMARKS / "data.tsv"
+    conda:
+        "../envs/workflow.yaml"
+    params:
+        config=stage_config("data"),
+        cmd=stage_cmd("data"),
+    shell:
+        "{params.cmd} > {log} 2>&1"

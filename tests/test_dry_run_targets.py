@@ -1,0 +1,115 @@
+"""The dry-run checks what the requested targets need (lib/verifier/preflight.py: TARGET_STAGES;
+rules/common.smk: requested_targets): a problem of a stage that no requested target needs is a
+warning naming the targets that cannot be built, one of a stage a requested target needs an error
+naming that target. Shown here with GPU counts on the embedded default (no verifier to build);
+the verifier's checks, with a Gemma3 verifier vLLM serves no draft for, in test_families.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workflow_runner import (
+    copy_workflow,
+    dry_run_in_process,
+    jobs_in,
+    snakemake,
+    write_config,
+)
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.verifier import preflight
+from workflow_scripts.lib.workflow.config import load_config
+
+# evaluation asks more GPUs than a node has; no other stage asks any
+TOO_WIDE = {"gpus_per_node": 1, "evaluate": {"use_gpus": True, "tensor_parallel_size": 2}}
+WHY = (
+    "evaluate.tensor_parallel_size is 2 GPUs, but a node has 1 (gpus_per_node) and a job runs on "
+    "one node; lower evaluate.tensor_parallel_size; draft_ckpt, hidden_states and vocab_map can"
+)
+WARNING = f"target evaluate (and all) cannot be built: {WHY}"
+
+
+@pytest.mark.parametrize(
+    "target, refused",
+    [
+        ("all", True),
+        ("evaluate", True),
+        ("evaluate_draft", True),
+        ("results/evaluate/results.json", True),  # a file: checked as strictly as all
+        ("draft_ckpt", False),
+        ("train", False),
+        ("hidden_states", False),
+        ("vocab_map", False),
+        ("resolved_config", False),
+    ],
+)
+def test_a_problem_of_a_stage_no_target_needs_is_a_warning(target, refused):
+    cfg = load_config(TOO_WIDE)
+    if refused:
+        with pytest.raises(UserError) as exc:
+            preflight.check_gpu_counts(cfg, None, [target])
+        assert str(exc.value) == f"target {target} cannot be built: {WHY}"
+    else:
+        assert preflight.check_gpu_counts(cfg, None, [target]) == [WARNING]
+
+
+def test_the_error_names_every_requested_target_that_needs_the_stage():
+    with pytest.raises(UserError) as exc:
+        preflight.check_gpu_counts(load_config(TOO_WIDE), None, ["vocab_map", "evaluate", "all"])
+    assert str(exc.value) == f"targets evaluate and all cannot be built: {WHY}"
+
+
+# the stage whose settings each rule runs with, of the stages the dry-run checks one by one
+RULE_STAGE = {
+    "regenerate": "regenerate",
+    "regenerate_merge": "regenerate",
+    "extract": "extract",
+    "extract_merge": "extract",
+    "train": "train",
+    "evaluate_draft": "evaluate",
+}
+# rules with wildcards are no targets a user can ask for, only cluster jobs (--target-jobs), which
+# run that one job: their entries are their merges'
+JOB_RULES = {"regenerate": "regenerate_merge", "extract": "extract_merge"}
+
+
+@pytest.fixture(scope="module")
+def default_workflow(tmp_path_factory):
+    return copy_workflow(tmp_path_factory.mktemp("wf"))
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize("target", sorted(preflight.TARGET_STAGES))
+def test_the_stages_each_target_needs_are_those_its_dag_runs(default_workflow, target):
+    """TARGET_STAGES against what Snakemake plans for each target (regeneration on, so that every
+    stage is in the DAG)."""
+    if target in JOB_RULES:
+        assert preflight.TARGET_STAGES[target] == preflight.TARGET_STAGES[JOB_RULES[target]]
+        return
+    error, out = dry_run_in_process(default_workflow, target, {"regenerate": {"enabled": True}})
+    assert error is None, out[-3000:]
+    planned = {RULE_STAGE[rule] for rule in jobs_in(out) if rule in RULE_STAGE}
+    assert planned == preflight.TARGET_STAGES[target]
+
+
+@pytest.mark.workflow
+def test_the_dry_run_plans_what_it_can_build_and_refuses_what_it_cannot(default_workflow):
+    """Through Snakemake: draft_ckpt plans training, warning that evaluate cannot be built;
+    evaluate is refused, naming the target and the key; so is the default target, all, on the
+    command line, without a traceback."""
+    error, out = dry_run_in_process(default_workflow, "draft_ckpt", TOO_WIDE)
+    assert error is None, out[-3000:]
+    assert f"Warning: {WARNING}" in out
+    assert "train" in jobs_in(out) and "evaluate_draft" not in jobs_in(out)
+
+    error, out = dry_run_in_process(default_workflow, "evaluate", TOO_WIDE)
+    assert error is not None and f"target evaluate cannot be built: {WHY}" in error, out[-3000:]
+
+    write_config(default_workflow, TOO_WIDE)
+    try:
+        proc = snakemake(default_workflow, "-n", check=False)
+    finally:
+        write_config(default_workflow, {})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"target all cannot be built: {WHY}" in out, out[-3000:]
+    assert "Traceback" not in out

@@ -1,0 +1,162 @@
+"""The rows of a source, streamed in a fixed order, each with where it is: ``file:row`` for a
+path source (the line of a JSON Lines file, the item of a JSON array, the row of a Parquet file or
+a saved dataset, counted from 1), ``owner/name/split:row`` for a hub dataset. A row that cannot be
+read (not UTF-8, not JSON) comes as a ``BadRow`` in its place, for the stage that reads it to
+count or report; nothing is dropped here.
+
+datasets, pyarrow and zstandard are imported only by the readers that need them.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import io
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.data.files import file_kind, is_saved_dataset
+from workflow_scripts.lib.data.rows import BadRow, parse_line
+from workflow_scripts.lib.workflow.sources import Source
+
+PARQUET_BATCH_ROWS = 1024
+
+
+def _jsonl_stream(path: Path, kind: str):
+    if kind == "jsonl.gz":
+        return gzip.open(path, "rb")
+    if kind == "jsonl.zst":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
+
+
+@functools.lru_cache(maxsize=1)  # counted, its columns read, then its rows: read once
+def _json_array(path: Path) -> list[Any]:
+    try:
+        with open(path, "rb") as fh:
+            value = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a JSON array ({exc})") from None
+    if not isinstance(value, list):
+        raise UserError(
+            f"{path}: a .json source must hold an array of rows, not {type(value).__name__} "
+            "(JSON Lines files end in .jsonl)"
+        )
+    return value
+
+
+def _saved(path: Path, split: str):
+    from datasets import DatasetDict, load_from_disk
+
+    data = load_from_disk(str(path))
+    if isinstance(data, DatasetDict):
+        if split not in data:
+            raise UserError(
+                f"{path}: the saved dataset has no split '{split}' (it has "
+                f"{', '.join(data)}): set the source's 'split'"
+            )
+        data = data[split]
+    return data
+
+
+def hub_dataset(source: Source):
+    """The hub dataset of ``source`` at its (resolved) revision, loaded with datasets."""
+    return _hub(source.hub, source.subset, source.split, source.revision)
+
+
+@functools.lru_cache(maxsize=2)  # counted, its columns read, then its rows: loaded once
+def _hub(name: str, subset: str | None, split: str, revision: str | None):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(name, subset, split=split, revision=revision)
+    except Exception as exc:  # datasets raises many kinds; say which source and how to go on
+        raise UserError(
+            f"hub dataset {name} (subset {subset}, split {split}, revision {revision}) could not "
+            f"be loaded: {type(exc).__name__}: {exc}. Without the hub, save it where the machine "
+            "can read it (datasets' save_to_disk, or its Parquet files) and name that 'path' "
+            "instead"
+        ) from None
+
+
+def file_rows(path: Path, split: str = "train") -> Iterator[tuple[int, Any]]:
+    """(row number from 1, the row or a BadRow) of one file or saved dataset, streamed."""
+    if is_saved_dataset(path):
+        for n, row in enumerate(_saved(path, split), start=1):
+            yield n, row
+        return
+    kind = file_kind(path)
+    if kind == "json":
+        for n, row in enumerate(_json_array(path), start=1):
+            yield n, row
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+    else:
+        with _jsonl_stream(path, kind) as fh:
+            for n, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield n, parse_line(line)
+                except BadRow as bad:
+                    yield n, bad
+
+
+def iter_rows(source: Source, files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(where, row or BadRow) of every row of ``source`` (``files``: its path's files)."""
+    if source.hub is not None:
+        for n, row in enumerate(hub_dataset(source), start=1):
+            yield f"{source.hub}/{source.split}:{n}", row
+        return
+    if len(files) > 1 and is_saved_dataset(Path(source.path)):
+        files = [Path(source.path)]
+    for path in files:
+        for n, row in file_rows(path, source.split):
+            yield f"{path}:{n}", row
+
+
+def count_rows(source: Source, files: list[Path]) -> int:
+    """How many rows ``source`` has (a JSON Lines file is read once; Parquet from its footer)."""
+    if source.hub is not None:
+        return len(hub_dataset(source))
+    if is_saved_dataset(Path(source.path)):
+        return len(_saved(Path(source.path), source.split))
+    total = 0
+    for path in files:
+        kind = file_kind(path)
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(path).metadata.num_rows
+        elif kind == "json":
+            total += len(_json_array(path))
+        else:
+            with _jsonl_stream(path, kind) as fh:
+                total += sum(1 for line in fh if line.strip())
+    return total
+
+
+def columns(source: Source, files: list[Path]) -> list[str]:
+    """The source's columns: a table's schema, or the keys of its first row that is an object."""
+    if source.hub is not None:
+        return list(hub_dataset(source).column_names)
+    if is_saved_dataset(Path(source.path)):
+        return list(_saved(Path(source.path), source.split).column_names)
+    if file_kind(files[0]) == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.ParquetFile(files[0]).schema_arrow.names)
+    for _, row in iter_rows(source, files):
+        if isinstance(row, dict):
+            return list(row)
+    return []
