@@ -93,9 +93,12 @@ def mix(
     out: IO[str],
     progress: Progress,
 ) -> dict[str, Any]:
-    """Writes the mixture to ``out``; returns its statistics per source."""
-    available = [count_rows(s, f) for s, f in zip(sources, files)]
-    counts = plan_counts(sources, available, num_rows)
+    """Writes the mixture to ``out``; returns its statistics per source. Sources are counted
+    (a pass over a JSON Lines file) only where rows are sampled."""
+    shares = [s.rows is not None or s.weight is not None for s in sources]
+    sampled = num_rows is not None or any(shares)
+    available = [count_rows(s, f) for s, f in zip(sources, files)] if sampled else None
+    counts = plan_counts(sources, available, num_rows) if sampled else None
     per_source = []
     for index, (source, paths) in enumerate(zip(sources, files)):
         layout, pair = chat_layout(
@@ -104,7 +107,7 @@ def mix(
             source.label,
             (source.prompt_column, source.response_column),
         )
-        keep = sample(available[index], counts[index], seed, index)
+        keep = sample(available[index], counts[index], seed, index) if sampled else None
         unreadable: Counter[str] = Counter()
         written = 0
         for position, (where, row) in enumerate(iter_rows(source, paths)):
@@ -126,7 +129,7 @@ def mix(
                 "name": source.label,
                 "source": source.model_dump(mode="json", exclude_none=True),
                 "layout": layout if pair is None else f"{layout} ({pair[0]}, {pair[1]})",
-                "rows_available": available[index],
+                "rows_available": available[index] if sampled else written,
                 "rows_taken": written,
                 "rows_unreadable": dict(sorted(unreadable.items())),
             }

@@ -83,12 +83,18 @@ def _hub(name: str, subset: str | None, split: str, revision: str | None):
         ) from None
 
 
-def file_rows(path: Path, split: str = "train") -> Iterator[tuple[int, Any]]:
-    """(row number from 1, the row or a BadRow) of one file or saved dataset, streamed."""
-    if is_saved_dataset(path):
-        for n, row in enumerate(_saved(path, split), start=1):
-            yield n, row
-        return
+def dataset(source: Source):
+    """The source as a table datasets reads (a hub dataset, a save_to_disk directory), else
+    None (files read one by one)."""
+    if source.hub is not None:
+        return hub_dataset(source)
+    if is_saved_dataset(Path(source.path)):
+        return _saved(Path(source.path), source.split)
+    return None
+
+
+def file_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(row number from 1, the row or a BadRow) of one file, streamed."""
     kind = file_kind(path)
     if kind == "json":
         for n, row in enumerate(_json_array(path), start=1):
@@ -114,23 +120,22 @@ def file_rows(path: Path, split: str = "train") -> Iterator[tuple[int, Any]]:
 
 def iter_rows(source: Source, files: list[Path]) -> Iterator[tuple[str, Any]]:
     """(where, row or BadRow) of every row of ``source`` (``files``: its path's files)."""
-    if source.hub is not None:
-        for n, row in enumerate(hub_dataset(source), start=1):
-            yield f"{source.hub}/{source.split}:{n}", row
+    table = dataset(source)
+    if table is not None:
+        where = f"{source.hub}/{source.split}" if source.hub is not None else source.path
+        for n, row in enumerate(table, start=1):
+            yield f"{where}:{n}", row
         return
-    if len(files) > 1 and is_saved_dataset(Path(source.path)):
-        files = [Path(source.path)]
     for path in files:
-        for n, row in file_rows(path, source.split):
+        for n, row in file_rows(path):
             yield f"{path}:{n}", row
 
 
 def count_rows(source: Source, files: list[Path]) -> int:
     """How many rows ``source`` has (a JSON Lines file is read once; Parquet from its footer)."""
-    if source.hub is not None:
-        return len(hub_dataset(source))
-    if is_saved_dataset(Path(source.path)):
-        return len(_saved(Path(source.path), source.split))
+    table = dataset(source)
+    if table is not None:
+        return len(table)
     total = 0
     for path in files:
         kind = file_kind(path)
@@ -148,10 +153,9 @@ def count_rows(source: Source, files: list[Path]) -> int:
 
 def columns(source: Source, files: list[Path]) -> list[str]:
     """The source's columns: a table's schema, or the keys of its first row that is an object."""
-    if source.hub is not None:
-        return list(hub_dataset(source).column_names)
-    if is_saved_dataset(Path(source.path)):
-        return list(_saved(Path(source.path), source.split).column_names)
+    table = dataset(source)
+    if table is not None:
+        return list(table.column_names)
     if file_kind(files[0]) == "parquet":
         import pyarrow.parquet as pq
 

@@ -126,11 +126,9 @@ def index_input(path: Path, p, template: ChatTemplate | None = None) -> Index:
             try:
                 row = parse_line(line)
                 conv = normalize(row)
+                plan = answer_plan(conv.messages)
                 if template is not None:
-                    plan = answer_plan(conv.messages)
                     check_first_prompt(template, plan, conv.tools, p.max_model_len_tokens)
-                else:
-                    answer_plan(conv.messages)
             except BadRow as bad:
                 where = origin(row, f"{path}:{line_no}")
                 skip_or_fail(index.bad, bad, where, p.on_bad_row, SETTING)

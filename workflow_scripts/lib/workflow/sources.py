@@ -21,7 +21,7 @@ fails at ``snakemake -n`` naming the key.
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
@@ -166,6 +166,9 @@ def _as_list(value: Any) -> Any:
     return [{"path": item} if isinstance(item, str) else item for item in items]
 
 
+SourceT = TypeVar("SourceT", bound=Source)
+
+
 def _one_or_many(schema: dict[str, Any]) -> None:
     """The schema of what is accepted: null, a path, one source, or a list of paths and
     sources (the model holds the list)."""
@@ -192,35 +195,27 @@ def _unique_labels(sources: list[Source]) -> None:
         seen[source.label] = i
 
 
-class ChatData(RootModel[list[ChatSource]]):
+class _Sources(RootModel[list[SourceT]], Generic[SourceT]):
+    """One source or a list of them, as the list; their names unique."""
+
+    model_config = ConfigDict(json_schema_extra=_one_or_many)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:
+        return _as_list(value)
+
+    @model_validator(mode="after")
+    def _labels(self):
+        _unique_labels(self.root)
+        return self
+
+
+class ChatData(_Sources[ChatSource]):
     """The chat data (config key ``chat_data``): one source or a list, read and mixed by the
     ``data`` stage. null: the embedded default's."""
 
-    model_config = ConfigDict(json_schema_extra=_one_or_many)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _listed(cls, value: Any) -> Any:
-        return _as_list(value)
-
-    @model_validator(mode="after")
-    def _labels(self):
-        _unique_labels(self.root)
-        return self
-
-
-class EvalPrompts(RootModel[list[PromptSource]]):
+class EvalPrompts(_Sources[PromptSource]):
     """The evaluation prompts (config key ``eval_prompts``): one set or a list, each reported on
     its own and all together. null: the embedded default's held-out prompts."""
-
-    model_config = ConfigDict(json_schema_extra=_one_or_many)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _listed(cls, value: Any) -> Any:
-        return _as_list(value)
-
-    @model_validator(mode="after")
-    def _labels(self):
-        _unique_labels(self.root)
-        return self
