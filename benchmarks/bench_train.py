@@ -159,6 +159,7 @@ def main(argv=None) -> int:
             print(f"inputs: {manifest}", flush=True)
         io = TrainIO(
             manifest=manifest,
+            engine_cmd="",
             vocab_map=vocab_map,
             verifier=verifier,
             state_dir=tmp / "state",

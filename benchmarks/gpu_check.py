@@ -130,6 +130,7 @@ def train_args(out: Path, small: bool) -> list[str]:
     )
     files = {
         "manifest": out / "extract" / "manifest.json",
+        "engine_cmd": "",
         "vocab_map": out / "vocab_map.safetensors",
         "verifier": out / "verifier",
         "state_dir": out / "state",

@@ -208,3 +208,38 @@ def stage_cmd(stage, gpus=None, threads_as=None, **extra):
         return cmd
 
     return render
+
+
+def command_now(stage, **files):
+    """The stage's command rendered now, from its config section and ``files`` (for a command
+    another job starts: the engine a training job runs within a disk budget)."""
+    spec = STAGES[stage]
+    args = _cli.render(stage, getattr(CFG, spec.config_key), files)
+    return f"{PYTHON} -m {spec.module} {args}"
+
+
+def check_disk_budget(plan_path, shard_dir):
+    """extract.disk_budget against the stream plan, where it exists (made by the extract_plan
+    job; otherwise the train job makes the same check before the engine starts): the costs
+    logged, a budget below what training needs at once refused, now."""
+    from workflow_scripts.lib.training import disk_budget
+
+    if not Path(plan_path).is_file():
+        if (RESULTS / "prepare" / "tokenized_data.jsonl").is_file():
+            logger.info(
+                f"hidden states: extract.disk_budget's plan is made by `snakemake {plan_path}` "
+                "(it reads the tokenized data, loads no model); a dry-run then shows its costs"
+            )
+        return
+    try:
+        costs = disk_budget.plan_costs(
+            disk_budget.load_stream_plan(Path(plan_path)), CFG.train, CFG.extract, Path(shard_dir)
+        )
+    except UserError as exc:
+        errors, warnings = preflight.by_targets({"train": [str(exc)]}, REQUESTED_TARGETS)
+        if errors:
+            raise WorkflowError("\n".join(errors)) from None
+        for warning in warnings:
+            logger.warning(f"Warning: {warning}")
+        return
+    logger.info(f"hidden states: {disk_budget.describe(costs)}")

@@ -2,17 +2,63 @@
 # The resume state (TRAIN / "state") is no rule's output: Snakemake never deletes it, so a killed
 # or failed training job continues from its last checkpoint when run again (the script discards
 # a state saved under other settings or inputs).
+#
+# With extract.disk_budget, training does not wait for the extract jobs: it takes the stream plan
+# (every shard's samples and exact bytes, rule extract_plan) and runs the engine itself
+# (extract_stream, on GPUs of its own beside training's, or on training's with
+# extract.share_training_gpus: the job reserves both), which computes each shard shortly before
+# a step reads it, into STREAM_SHARDS, within the budget (lib/training/stream.py).
 TRAIN = RESULTS / "train"
-TRAIN_GPUS = CFG.train.num_gpus
+STREAMED = CFG.extract.disk_budget is not None
+STREAM_PLAN = RESULTS / "extract" / "stream_plan.json"
+STREAM_SHARDS = RESULTS / "extract" / "stream"
+TRAIN_GPUS = CFG.train.num_gpus + (
+    0 if not STREAMED or CFG.extract.share_training_gpus else CFG.extract.gpus
+)
+if STREAMED and CFG.extract.share_training_gpus:
+    TRAIN_GPUS = max(CFG.train.num_gpus, CFG.extract.gpus)
+ENGINE_CMD = (
+    command_now(
+        "extract_stream",
+        tokenized=rules.prepare.output.tokenized,
+        verifier=VERIFIER_DIR,
+        shard_dir=STREAM_SHARDS,
+    )
+    if STREAMED
+    else ""
+)
+if STREAMED:
+    check_disk_budget(STREAM_PLAN, STREAM_SHARDS)
+
+
+rule extract_plan:
+    """Tokenized data + verifier -> every shard's samples, exact bytes and fingerprint (a disk budget's plan)."""
+    input:
+        tokenized=rules.prepare.output.tokenized,
+        verifier_config=VERIFIER_CONFIG,
+        weights=VERIFIER_WEIGHTS,
+        code=stage_code("extract_plan"),
+    output:
+        plan=STREAM_PLAN,
+    log:
+        LOGS / "extract_plan.log",
+    conda:
+        "../envs/workflow.yaml"
+    params:
+        config=stage_config("extract_plan"),
+        cmd=stage_cmd("extract_plan", verifier=VERIFIER_DIR, shard_dir=STREAM_SHARDS),
+    shell:
+        "{params.cmd} > {log} 2>&1"
 
 
 rule train:
-    """Hidden-state shards + vocab map + verifier head -> EAGLE-3 draft (speculators format)."""
+    """Hidden-state shards (or, with a disk budget, the engine run alongside) + vocab map + verifier head -> EAGLE-3 draft (speculators format)."""
     input:
-        manifest=RESULTS / "extract" / "manifest.json",
+        manifest=STREAM_PLAN if STREAMED else RESULTS / "extract" / "manifest.json",
         vocab_map=rules.vocab.output.vocab_map,
         verifier_config=VERIFIER_CONFIG,
-        code=stage_code("train"),
+        engine=[rules.prepare.output.tokenized, *VERIFIER_WEIGHTS] if STREAMED else [],
+        code=stage_code("train") + (stage_code("extract_stream") if STREAMED else []),
     output:
         draft=directory(TRAIN / "draft"),
         metrics=TRAIN / "metrics.jsonl",
@@ -27,6 +73,13 @@ rule train:
         gpu=TRAIN_GPUS,
     params:
         config=stage_config("train"),
-        cmd=stage_cmd("train", gpus=TRAIN_GPUS, verifier=VERIFIER_DIR, state_dir=TRAIN / "state"),
+        engine=stage_config("extract") if STREAMED else "",
+        cmd=stage_cmd(
+            "train",
+            gpus=TRAIN_GPUS,
+            verifier=VERIFIER_DIR,
+            state_dir=TRAIN / "state",
+            engine_cmd=ENGINE_CMD,
+        ),
     shell:
         "{params.cmd} > {log} 2>&1"

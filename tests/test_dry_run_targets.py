@@ -65,6 +65,7 @@ RULE_STAGE = {
     "regenerate_merge": "regenerate",
     "extract": "extract",
     "extract_merge": "extract",
+    "extract_plan": "extract",  # (a disk budget's)
     "train": "train",
     "evaluate_draft": "evaluate",
 }

@@ -180,6 +180,7 @@ class TrainInputs:
         """The train script's command line for outputs under ``out``."""
         files = {
             "manifest": self.manifest,
+            "engine_cmd": "",
             "vocab_map": self.vocab_map,
             "verifier": self.verifier,
             "state_dir": out / "state",

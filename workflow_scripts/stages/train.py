@@ -7,7 +7,9 @@
    was given.
 2. Reads only the embedding, the final norm and the draft vocabulary's lm_head rows from the
    verifier's safetensors (sharded checkpoints through their index); never the whole verifier.
-3. Streams samples from the memory-mapped shards (``lib/training/data.py``).
+3. Streams samples from the memory-mapped shards (``lib/training/data.py``); with
+   ``extract.disk_budget``, runs the engine that computes them while it trains, within the
+   budget (``lib/training/stream.py``).
 4. With ``num_gpus`` > 1 (or ``num_cpu_processes`` > 1 on the CPU) it starts itself under
    torchrun and trains with DDP (``lib/training/processes.py``).
 5. Trains, resumes, validates, logs and writes the draft and the metrics
@@ -21,17 +23,44 @@ import sys
 
 import torch.distributed as dist
 
-from workflow_scripts.lib.common import run_main
+from workflow_scripts.lib.common import UserError, run_main
 from workflow_scripts.lib.training.inputs import check_inputs
 from workflow_scripts.lib.training.processes import launch_processes, setup_processes
+from workflow_scripts.lib.training.stream import ENGINE_GPUS, engine_command
 from workflow_scripts.lib.training.trainer import Trainer
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.registry import STAGES
 
 
+def split_gpus(io, p) -> None:
+    """extract.disk_budget on GPUs: the job's GPUs (CUDA_VISIBLE_DEVICES, given by its rule's
+    ``gpu`` resource: training's plus the engine's) shared out: training the first
+    train.num_gpus, the engine the next ones, or the first of training's with
+    extract.share_training_gpus."""
+    _, _, ep = engine_command(io.engine_cmd)
+    if not ep.use_gpus or ENGINE_GPUS in os.environ:
+        return
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    need = max(p.num_gpus, ep.gpus) if ep.share_training_gpus else p.num_gpus + ep.gpus
+    if len(visible) < need:
+        raise UserError(
+            f"train.num_gpus {p.num_gpus} and the engine's {ep.gpus} GPU(s) (extract."
+            f"tensor_parallel_size{', shared' if ep.share_training_gpus else ''}) need {need} "
+            f"GPUs, but the job sees {len(visible)} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); reserve more (snakemake "
+            "--resources gpu=N) or lower them"
+        )
+    engine = visible[: ep.gpus] if ep.share_training_gpus else visible[p.num_gpus : need]
+    os.environ[ENGINE_GPUS] = ",".join(engine)
+    if p.num_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[: p.num_gpus])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     io, p = cli.parse("train", argv)
+    if io.engine_cmd:
+        split_gpus(io, p)
     wanted = p.num_gpus if p.num_gpus > 0 else p.num_cpu_processes
     if wanted > 1 and "LOCAL_RANK" not in os.environ:
         check_inputs(io, p)  # every input problem is reported here, before any process starts

@@ -135,11 +135,14 @@ def run_vllm(
     storage: torch.dtype = torch.float32,
     on_sample: Callable[[int], None] = lambda tokens: None,
     on_shard: Callable[[ShardJob], None] = lambda job: None,
+    ready: Callable[[ShardJob], bool] | None = None,
 ) -> None:
     """Run every sample of ``jobs`` through the engine, in order, keeping up to twice the
     engine's step budget queued. With ``extract``, each request carries its place in its shard
     and a shard is finished (``on_shard``) once all its samples are written; without, this is
-    plain prefill (max_tokens=1) of the same samples."""
+    plain prefill (max_tokens=1) of the same samples. ``ready``: a shard's first sample is
+    queued only once it says so; meanwhile the engine goes on with what it has (a disk budget:
+    the shards before it finish, and are read and removed by training)."""
     from vllm import SamplingParams
 
     from workflow_scripts.lib.hidden_states.connector import TARGET_KEY
@@ -188,13 +191,22 @@ def run_vllm(
         in_flight[req_id] = (job, -1, int(ids.numel()))
         remaining[job.index] += 1
 
+    def may_queue(job: ShardJob, i: int) -> bool:
+        if ready is None or i > 0 or job.index in remaining:
+            return True
+        return ready(job)
+
     while nxt is not None or in_flight or unwritten:
-        while nxt is not None and (
-            not in_flight
-            or (
-                len(in_flight) < max_samples
-                and in_flight_tokens + nxt[0].samples[nxt[1]][0].numel() <= max_tokens
+        while (
+            nxt is not None
+            and (
+                not in_flight
+                or (
+                    len(in_flight) < max_samples
+                    and in_flight_tokens + nxt[0].samples[nxt[1]][0].numel() <= max_tokens
+                )
             )
+            and may_queue(*nxt)
         ):
             job, i = nxt
             ids = job.samples[i][0]
@@ -233,6 +245,8 @@ def run_vllm(
             finish_sample(job, i, tokens)
 
         if not in_flight and not (unwritten and in_process):
+            if nxt is not None and not unwritten:
+                time.sleep(0.2)  # waiting for ``ready``
             continue
         outputs = engine.step()
         idle_steps = 0 if outputs else idle_steps + 1
@@ -262,6 +276,14 @@ def run_vllm(
 # --------------------------------------------------------------------------- the stage's run
 
 
+def wait_ready(shards, ready, poll_s: float = 0.2):
+    """``shards`` each yielded once ``ready`` says so (for an engine that takes one at a time)."""
+    for shard in shards:
+        while not ready(shard):
+            time.sleep(poll_s)
+        yield shard
+
+
 def shard_jobs(io, plan: Plan, shards: list[ShardPlan]):
     """ShardJobs for the backends, reading each shard's samples only when it is reached."""
     vocab = int(plan.cfg["vocab_size"])
@@ -275,16 +297,26 @@ def shard_jobs(io, plan: Plan, shards: list[ShardPlan]):
         yield ShardJob(shard.index, shard.path, samples, meta, extra=extra)
 
 
-def extract(io, p, plan: Plan) -> None:
-    todo = [s for s in plan.todo if s.samples]
-    for s in plan.todo:
+def extract(
+    io,
+    p,
+    plan: Plan,
+    shards: list[ShardPlan] | None = None,
+    ready: Callable[[ShardPlan], bool] | None = None,
+    label: str | None = None,
+) -> None:
+    """Compute ``shards`` (default: the plan's still to do), in order; ``ready``: each shard
+    starts only once it says so (a disk budget, ``stream.py``)."""
+    shards = plan.todo if shards is None else shards
+    todo = [s for s in shards if s.samples]
+    for s in shards:
         if not s.samples:  # every sample of it skipped: nothing to compute, nothing to write
             s.entry = {"file": None}
     if not todo:
         return
     storage = TORCH_DTYPES[plan.storage]
     progress = Progress(
-        f"extract job {io.job_index}",
+        label or f"extract job {io.job_index}",
         total=sum(len(s.samples) for s in todo),
         interval_s=p.progress_interval_s,
         unit="samples",
@@ -299,7 +331,10 @@ def extract(io, p, plan: Plan) -> None:
             raise RuntimeError(
                 f"{shard.path}: {entry['bytes']} bytes, the disk plan said {planned}"
             )
-        shard.entry = remember_entry(shard.path, entry)
+        try:
+            shard.entry = remember_entry(shard.path, entry)
+        except FileNotFoundError:  # a disk budget: training read it and removed it already
+            shard.entry = entry
         log.info(
             "shard %d done: %d samples, %d tokens, %.1f MiB",
             shard.index,
@@ -318,18 +353,20 @@ def extract(io, p, plan: Plan) -> None:
 
     log.info("loading the verifier %s (%s backend, %s)", io.verifier, p.backend, plan.dtype)
     try:
-        run_backend(io, p, plan, todo, storage, progress, on_sample, on_shard)
+        run_backend(io, p, plan, todo, storage, progress, on_sample, on_shard, ready)
         finisher.wait()
     finally:
         finisher.close()
 
 
-def run_backend(io, p, plan: Plan, todo, storage, progress, on_sample, on_shard) -> None:
+def run_backend(io, p, plan: Plan, todo, storage, progress, on_sample, on_shard, ready) -> None:
     if p.backend == "transformers":
         dtype = TORCH_DTYPES[plan.dtype]
         extractor = TransformersExtractor(io.verifier, dtype, plan.aux_ids, p.use_gpus)
         progress.start = time.monotonic()
         progress.update(0, force=True)
+        if ready is not None:  # one shard at a time: wait before reading the next one's samples
+            todo = wait_ready(todo, ready)
         extractor.run(shard_jobs(io, plan, todo), plan.hidden_size, storage, on_sample, on_shard)
         progress.log()
     else:
@@ -355,6 +392,7 @@ def run_backend(io, p, plan: Plan, todo, storage, progress, on_sample, on_shard)
                 storage=storage,
                 on_sample=on_sample,
                 on_shard=on_shard,
+                ready=None if ready is None else (lambda job: ready(job.extra["plan"])),
             )
             progress.log()
         finally:

@@ -112,6 +112,7 @@ class ShardPlan:
     path: Path
     fingerprint: str = ""
     final_rows: int = 0  # final states stored: at the positions the loss reads
+    sample_final_rows: list[int] = field(default_factory=list)  # the same, per sample kept
     entry: dict[str, Any] | None = None  # the manifest entry when already finished
 
     @property
@@ -309,7 +310,8 @@ def make_plan(io, p) -> Plan:
             else:
                 shard.samples.append(i)
                 shard.lengths.append(length)
-                shard.final_rows += len(read_positions(mask))
+                shard.sample_final_rows.append(len(read_positions(mask)))
+                shard.final_rows += shard.sample_final_rows[-1]
         shard.fingerprint = fingerprint(shard_key(key, storage), shard)
         plan.shards.append(shard)
     if too_long and p.on_too_long == "fail":

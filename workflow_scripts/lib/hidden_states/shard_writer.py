@@ -190,8 +190,9 @@ class ShardWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+        entry = {**shard_entry(self.tmp), "file": self.path.name}  # hashed before it is seen
         os.replace(self.tmp, self.path)
-        return {**shard_entry(self.path), **(extra or {})}
+        return {**entry, **(extra or {})}
 
     def abort(self) -> None:
         self.tmp.unlink(missing_ok=True)

@@ -112,20 +112,41 @@ def pack_micro_batches(
 class Plan:
     """The deterministic sequence of global batches: epoch e's order depends on (seed, e) only,
     so any step's data can be recomputed on resume. A global batch is ``micro_per_step``
-    consecutive micro-batches; an epoch's leftover micro-batches are dropped."""
+    consecutive micro-batches; an epoch's leftover micro-batches are dropped.
+
+    With ``window`` (train.shuffle_window_shards) and ``shard_of`` (every sample's shard), an
+    epoch takes the shards in a seeded order, ``window`` at a time, and packs and shuffles only
+    their samples together: a shard is read within one window's steps of each epoch."""
 
     def __init__(
-        self, train_ids, lengths, budget: int, seed: int, epochs: int, micro_per_step: int
+        self,
+        train_ids,
+        lengths,
+        budget: int,
+        seed: int,
+        epochs: int,
+        micro_per_step: int,
+        shard_of: np.ndarray | None = None,
+        window: int | None = None,
     ):
         self.train_ids, self.lengths, self.budget, self.seed = train_ids, lengths, budget, seed
         self.micro_per_step = micro_per_step
+        self.shard_of, self.window = shard_of, window
         self.steps_per_epoch = [len(self._micro(e)) // micro_per_step for e in range(epochs)]
         self.total_steps = sum(self.steps_per_epoch)
         self._cached: tuple[int, list[np.ndarray]] | None = None
 
     def _micro(self, epoch: int) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, 2, epoch])
-        return pack_micro_batches(self.train_ids, self.lengths, self.budget, rng)
+        if self.window is None:
+            return pack_micro_batches(self.train_ids, self.lengths, self.budget, rng)
+        train_shards = self.shard_of[self.train_ids]
+        order = np.random.default_rng([self.seed, 3, epoch]).permutation(np.unique(train_shards))
+        batches: list[np.ndarray] = []
+        for w in range(0, len(order), self.window):
+            ids = self.train_ids[np.isin(train_shards, order[w : w + self.window])]
+            batches += pack_micro_batches(ids, self.lengths, self.budget, rng)
+        return batches
 
     def locate(self, step: int) -> tuple[int, int]:
         """(epoch, step within the epoch) of a global step."""

@@ -33,6 +33,8 @@ from workflow_scripts.lib.hidden_states.manifest import (
     storage_dtype,
 )
 from workflow_scripts.lib.training.data import SampleIndex
+from workflow_scripts.lib.training.disk_budget import load_stream_plan
+from workflow_scripts.lib.training.stream import StreamedIndex, engine_command
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.registry import TrainIO
@@ -53,8 +55,9 @@ class Inputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     tensors: dict[str, tuple[Path, str]]  # embed / norm / lm_head -> (file, tensor name)
-    index: "SampleIndex"
+    index: "SampleIndex | StreamedIndex"
     fingerprint: str
+    streamed: bool = False  # extract.disk_budget: the states are computed while training runs
 
 
 def check_manifest(manifest: dict, vcfg: dict, verifier_dir: Path, where: Path) -> None:
@@ -188,16 +191,24 @@ def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
 def check_inputs(io: TrainIO, p: TrainParams, verify_checksums: bool = True) -> Inputs:
     vcfg = verifier_files.verifier_config(io.verifier)
     V = int(vcfg["vocab_size"])
-    manifest = load_manifest(io.manifest)  # every shard present
+    streamed = bool(io.engine_cmd)
+    if streamed:  # the engine's plan of every shard; the shards come while training runs
+        manifest = load_stream_plan(Path(io.manifest))
+        shard_dir = Path(engine_command(io.engine_cmd)[1].shard_dir)
+    else:
+        manifest = load_manifest(io.manifest)  # every shard present
     check_manifest(manifest, vcfg, Path(io.verifier), Path(io.manifest))
     d2t, t2d = check_vocab_map(Path(io.vocab_map), V)
-    if verify_checksums:
+    if verify_checksums and not streamed:
         verify_shard_checksums(manifest, Path(io.state_dir))
     tensors = verifier_files.locate_tensors(Path(io.verifier), vcfg)
     aux = list(manifest["aux_layer_ids"])
     ascending = sorted(aux)
     aux_order = None if aux == ascending else [aux.index(i) for i in ascending]
-    index = SampleIndex(manifest, aux_order, p.micro_batch_budget_tokens)
+    if streamed:
+        index = StreamedIndex(manifest, shard_dir, aux_order, p.micro_batch_budget_tokens)
+    else:
+        index = SampleIndex(manifest, aux_order, p.micro_batch_budget_tokens)
     if p.num_gpus > 0 and torch.cuda.device_count() < p.num_gpus:
         raise UserError(
             f"train.num_gpus is {p.num_gpus} but {torch.cuda.device_count()} GPU(s) are visible "
@@ -229,4 +240,5 @@ def check_inputs(io: TrainIO, p: TrainParams, verify_checksums: bool = True) -> 
         tensors=tensors,
         index=index,
         fingerprint=run_fingerprint(io, p),
+        streamed=streamed,
     )

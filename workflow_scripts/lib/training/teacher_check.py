@@ -13,6 +13,7 @@ order those either way).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from workflow_scripts.lib.hidden_states.shards import ShardReader
 # and the shards' storage dtype.
 ROUNDING = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 2e-2, "float8_e4m3fn": 1e-1}
 MIN_AGREEMENT = 0.98  # of the decided positions
+log = logging.getLogger("eagle3")
 
 
 @torch.no_grad()
@@ -70,3 +72,17 @@ def verify(manifest: dict[str, Any], teacher, device, verifier: Path | str) -> d
             "its config, or the shards come from another verifier; stopping before the first step"
         )
     return result
+
+
+def verify_and_log(manifest: dict[str, Any], teacher, d, verifier: Path | str) -> None:
+    """``verify``, before any step, its counts logged by the first process."""
+    check = verify(manifest, teacher, d.device, verifier)
+    if d.main:
+        log.info(
+            "teacher check: the teacher's top-1 is the verifier's at %d of %d recorded "
+            "positions (%d left out: within rounding)%s",
+            check["agree"],
+            check["checked"],
+            check["undecided"],
+            "" if check["checked"] else "; none recorded (shards from before the check)",
+        )

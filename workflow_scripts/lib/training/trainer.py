@@ -55,6 +55,7 @@ from workflow_scripts.lib.training.setup import (
     with_aux_noise,
     write_draft,
 )
+from workflow_scripts.lib.training.stream import Stream
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.registry import TrainIO
 
@@ -80,17 +81,8 @@ class Trainer:
 
         model, teacher = build_draft(inputs, p, embed_dtype=None if on_gpu else torch.float32)
         self.model, self.teacher = model.to(d.device), teacher.to(d.device)
-        # the teacher against the verifier's own choices recorded by extraction, before any step
-        check = teacher_check.verify(inputs.manifest, self.teacher, d.device, io.verifier)
-        if d.main:
-            log.info(
-                "teacher check: the teacher's top-1 is the verifier's at %d of %d recorded "
-                "positions (%d left out: within rounding)%s",
-                check["agree"],
-                check["checked"],
-                check["undecided"],
-                "" if check["checked"] else "; none recorded (shards from before the check)",
-            )
+        if not inputs.streamed:  # streamed: once the engine has written the first shard
+            teacher_check.verify_and_log(inputs.manifest, self.teacher, d, io.verifier)
         cfg = self.model.cfg
         if d.distributed:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
@@ -111,6 +103,11 @@ class Trainer:
             p.seed,
             p.epochs,
             d.world * p.grad_accum_steps,
+            shard_of=inputs.index.shard_of,
+            window=p.shuffle_window_shards,
+        )
+        self.stream = (
+            Stream(io, p, inputs.index, self.plan, self.val_ids, d) if inputs.streamed else None
         )
         if self.plan.total_steps == 0:
             raise UserError(
@@ -342,8 +339,17 @@ class Trainer:
         return summary
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.stream is not None:
+                self.stream.stop()
+
+    def _run(self) -> None:
         p, d = self.p, self.d
         self.restore_state()
+        if self.stream is not None:
+            self.stream.start(self.step, self.teacher)
         total = self.plan.total_steps
         loader = Loader(
             self.inputs.index,
@@ -408,6 +414,8 @@ class Trainer:
                     self.keep_if_best(summary)
             if self.step % p.checkpoint_every_steps == 0 and self.step < total:
                 self.save_state()
+            if self.stream is not None:
+                self.stream.after_step(self.step)
         self.save_state()
         if d.main:
             self.write_outputs()

@@ -33,6 +33,7 @@ TARGET_STAGES: dict[str, frozenset[str]] = {
     "hidden_states": frozenset({"regenerate", "extract"}),
     "extract_merge": frozenset({"regenerate", "extract"}),
     "extract": frozenset({"regenerate", "extract"}),
+    "extract_plan": frozenset({"regenerate", "extract"}),
     "vocab_map": frozenset({"regenerate"}),
     "data": frozenset(),
     "vocab": frozenset({"regenerate"}),
@@ -230,6 +231,13 @@ def gpu_asks(cfg) -> dict[str, int]:
         return key, settings.gpus
 
     asks = dict([engine("extract"), ("train.num_gpus", cfg.train.num_gpus), engine("evaluate")])
+    if cfg.extract.disk_budget is not None and cfg.extract.gpus:  # the engine runs with training
+        key, n = engine("extract")
+        if cfg.extract.share_training_gpus:
+            asks["train.num_gpus"] = max(cfg.train.num_gpus, n)
+        else:
+            del asks["train.num_gpus"]
+            asks[f"train.num_gpus + {key} (extract.disk_budget)"] = cfg.train.num_gpus + n
     if cfg.regenerate.enabled:
         asks.update([engine("regenerate")])
     return asks

@@ -42,6 +42,7 @@ SHARED_SETTINGS = {
 # of the key ends with it; docs/configuration.md shows the same table, and tests/test_docs.py
 # checks that the two agree and that every page and heading exists.
 _GPUS = "docs/gpu-and-slurm.md#installing-on-gpu-machines"
+_BUDGET = "docs/hidden-states.md#a-disk-budget"
 _RECIPE = "docs/training.md#the-recipes-settings"
 _REGENERATE = "docs/chat-data.md#regenerating-the-answers-with-the-verifier-self-distillation"
 DOCS = {
@@ -66,6 +67,9 @@ DOCS = {
     },
     "extract.storage_dtype": "docs/hidden-states.md#storage-dtypes",
     "extract.disk_margin": "docs/hidden-states.md#disk-plan",
+    "extract.disk_budget": _BUDGET,
+    "extract.share_training_gpus": _BUDGET,
+    "train.shuffle_window_shards": _BUDGET,
     "train.ttt_steps": "docs/training.md#training-time-test",
     "train.micro_batch_budget_tokens": "docs/training.md#training-time-test",
     "train.num_speculative_tokens": "docs/training.md#acceptance-in-training-and-the-draft-kept",
@@ -200,9 +204,9 @@ def _share(raw: dict[str, Any], source: str) -> dict[str, Any]:
     raw = dict(raw or {})
     for key in SHARED_SETTINGS:
         value = raw.pop(key, None)
-        for spec in STAGES.values():
-            if spec.params is None or key not in spec.params.SHARED:
-                continue
+        for name, spec in STAGES.items():
+            if spec.params is None or spec.config_key != name or key not in spec.params.SHARED:
+                continue  # (a stage that reads another's section: that one's)
             section = raw.get(spec.config_key)
             if isinstance(section, dict) and key in section:
                 raise ConfigError(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from workflow_scripts.lib.workflow.params_base import (
     ChatTemplateSettings,
@@ -256,6 +256,9 @@ class ExtractParams(EngineSettings):
         "batch_budget_tokens": "the engine's step size",
         "disk_margin": "a check before the model loads",
         "progress_interval_s": "log lines",
+        "disk_budget": "which states are kept on disk and which recomputed; the states, and so "
+        "the draft, are the same",
+        "share_training_gpus": "where the engine runs",
     }
     JOB_LAYOUT = ("num_jobs",)
 
@@ -314,6 +317,30 @@ class ExtractParams(EngineSettings):
         description="Free disk needed = exact bytes of the shards still to write x this factor.",
     )
     progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
+    disk_budget: str | None = Field(
+        None,
+        pattern=r"^\s*(\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?|\d+(\.\d+)?\s*%)\s*$",
+        description="Most disk the hidden states may take: bytes ('2TB', '500GiB', '1000000') or "
+        "a share of the free space where they go ('50%'). null: every state is extracted before "
+        "training (the extract jobs). Set: training's job runs the engine itself, computes each "
+        "shard shortly before a step reads it and removes it after the last step that does; as "
+        "many shards as fit are kept across epochs, the rest recomputed each epoch. The plan "
+        "(peak bytes, states recomputed, extra verifier tokens) is shown before any model loads.",
+    )
+    share_training_gpus: bool = Field(
+        False,
+        description="disk_budget set, on GPUs: the engine runs on training's GPUs (its memory "
+        "share: gpu_memory_utilization) instead of GPUs of its own beside them; for a verifier "
+        "that needs the whole node.",
+    )
+
+    @field_validator("disk_budget", mode="before")
+    @classmethod
+    def _bytes_as_text(cls, value):
+        """A number of bytes given as a number (1000000, or 1e12 in YAML) is read as its text."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(int(value))
+        return value
 
 
 # --------------------------------------------------------------------------- train

@@ -90,6 +90,25 @@ class ExtractIO(StageIO):
     part: Path = Field(description="Output: this job's part manifest (JSON).")
 
 
+class ExtractPlanIO(StageIO):
+    tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
+    verifier: Path = Field(description="Input: verifier directory.")
+    shard_dir: Path = Field(description="Directory the engine writes the shards to for training.")
+    plan: Path = Field(
+        description="Output: every shard's samples, lengths, exact bytes and fingerprint (JSON), "
+        "what training plans a disk budget from."
+    )
+
+
+class ExtractStreamIO(StageIO):
+    tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
+    verifier: Path = Field(description="Input: verifier directory.")
+    shard_dir: Path = Field(
+        description="Directory of the shards, where training writes the schedule (schedule.json) "
+        "before it starts this engine."
+    )
+
+
 class ExtractMergeIO(StageIO):
     parts: list[Path] = Field(description="Input: part manifests of all extraction jobs.")
     manifest: Path = Field(
@@ -98,7 +117,15 @@ class ExtractMergeIO(StageIO):
 
 
 class TrainIO(StageIO):
-    manifest: Path = Field(description="Input: extraction manifest.")
+    manifest: Path = Field(
+        description="Input: extraction manifest, or with extract.disk_budget the stream plan "
+        "(every shard's samples and bytes; the shards are computed while training runs)."
+    )
+    engine_cmd: str = Field(
+        description="With extract.disk_budget: the command of the engine that computes the "
+        "shards for training (the extract_stream stage, rendered from the extract settings); "
+        "empty without."
+    )
     vocab_map: Path = Field(description="Input: vocab map (safetensors).")
     verifier: Path = Field(description="Input: verifier directory.")
     state_dir: Path = Field(description="Resume checkpoints (kept across runs).")
@@ -130,21 +157,24 @@ class Stage(BaseModel):
 ENTRY_PACKAGE = "workflow_scripts.stages"
 
 
-def _stage(name: str, params: type[StageParams] | None, io: type[StageIO]) -> Stage:
+def _stage(
+    name: str, params: type[StageParams] | None, io: type[StageIO], section: str | None = None
+) -> Stage:
     """Stage ``name``: entry script workflow_scripts/stages/<name>.py; with parameters, the
-    config key ``name``."""
+    config key ``section`` (by default ``name``)."""
     return Stage(
         module=f"{ENTRY_PACKAGE}.{name}",
         params=params,
         io=io,
-        config_key=name if params is not None else None,
+        config_key=(section or name) if params is not None else None,
     )
 
 
 # Every stage, in pipeline order (also the order of config.yaml's sections).
+# extract_plan and extract_stream (a disk budget) read the extract section.
 STAGES: dict[str, Stage] = {
-    name: _stage(name, params, io)
-    for name, params, io in (
+    name: _stage(name, params, io, *section)
+    for name, params, io, *section in (
         ("demo", DemoParams, DemoIO),
         ("data", DataParams, DataIO),
         ("regenerate", RegenerateParams, RegenerateIO),
@@ -153,6 +183,8 @@ STAGES: dict[str, Stage] = {
         ("vocab", VocabParams, VocabIO),
         ("extract", ExtractParams, ExtractIO),
         ("extract_merge", None, ExtractMergeIO),
+        ("extract_plan", ExtractParams, ExtractPlanIO, "extract"),
+        ("extract_stream", ExtractParams, ExtractStreamIO, "extract"),
         ("train", TrainParams, TrainIO),
         ("evaluate", EvaluateParams, EvaluateIO),
     )

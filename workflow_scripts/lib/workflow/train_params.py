@@ -100,6 +100,14 @@ class TrainParams(StageParams):
         "backend; written as vLLM's Eagle3DeepseekV2ForCausalLM checkpoint).",
     )
     epochs: int = Field(10, ge=1, description="Passes over the training split.")
+    shuffle_window_shards: int | None = Field(
+        None,
+        ge=1,
+        description="How far an epoch shuffles: null, every sample with every other; n, the "
+        "shards are taken in a seeded order, n at a time, and only their samples shuffled "
+        "together, so that few shards are read at once (what extract.disk_budget needs). The "
+        "same order whether the states come from disk or are recomputed.",
+    )
     micro_batch_budget_tokens: int = Field(
         8192,
         ge=16,
