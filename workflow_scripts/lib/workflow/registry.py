@@ -90,22 +90,19 @@ class ExtractIO(StageIO):
     part: Path = Field(description="Output: this job's part manifest (JSON).")
 
 
-class ExtractPlanIO(StageIO):
-    tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
-    verifier: Path = Field(description="Input: verifier directory.")
-    shard_dir: Path = Field(description="Directory the engine writes the shards to for training.")
-    plan: Path = Field(
-        description="Output: every shard's samples, lengths, exact bytes and fingerprint (JSON), "
-        "what training plans a disk budget from."
-    )
-
-
 class ExtractStreamIO(StageIO):
     tokenized: Path = Field(description="Input: tokenized_data.jsonl.")
     verifier: Path = Field(description="Input: verifier directory.")
     shard_dir: Path = Field(
-        description="Directory of the shards, where training writes the schedule (schedule.json) "
-        "before it starts this engine."
+        description="Directory of the shards the engine writes for training, where training "
+        "writes the schedule (schedule.json) before it starts the engine."
+    )
+
+
+class ExtractPlanIO(ExtractStreamIO):
+    plan: Path = Field(
+        description="Output: every shard's samples, lengths, exact bytes and fingerprint (JSON), "
+        "what training plans a disk budget from."
     )
 
 
