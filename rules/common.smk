@@ -65,6 +65,40 @@ try:
 except UserError as exc:
     raise WorkflowError(f"the config asks for more GPUs than there are:\n  {exc}") from None
 
+
+def profile_resources(rule):
+    """The resources that the profile or the command line (set-resources) give ``rule``: they
+    replace the rule's own."""
+    given = workflow.resource_settings.overwrite_resources.get(rule) or {}
+    return {name: getattr(value, "value", value) for name, value in dict(given).items()}
+
+
+# Training over several nodes against what the job would get: the profile's resources for rule
+# train, and SLURM's nodes (sinfo, in the profile's partition), asked only when num_nodes > 1.
+try:
+    _train_given = profile_resources("train")
+    _partition = _train_given.get("slurm_partition") or getattr(
+        (workflow.resource_settings.default_resources or {}).get("slurm_partition"), "value", None
+    )
+    _warnings += preflight.check_node_counts(
+        CFG,
+        _train_given,
+        preflight.slurm_cluster(_partition) if CFG.train.num_nodes > 1 else None,
+        REQUESTED_TARGETS,
+    )
+except UserError as exc:
+    raise WorkflowError(f"the config asks for more nodes than there are:\n  {exc}") from None
+# The global batch against the prepared samples, once prepare has counted them.
+_prepared = Path(CFG.results_dir) / "prepare" / "stats.json"
+try:
+    _warnings += preflight.check_global_batch(
+        CFG,
+        json.loads(_prepared.read_text()).get("rows_out") if _prepared.exists() else None,
+        REQUESTED_TARGETS,
+    )
+except UserError as exc:
+    raise WorkflowError(f"the batch does not fit the data:\n  {exc}") from None
+
 # Every check that needs only the config and the verifier's files runs now, at dry-run, when
 # the verifier is on disk (a verifier named in the config; the embedded default's is built by
 # the workflow and checked by its jobs). The jobs run the same checks again before their models
@@ -180,7 +214,7 @@ PYTHON = (
 )
 
 
-def stage_cmd(stage, gpus=None, threads_as=None, **extra):
+def stage_cmd(stage, gpus=None, nodes=1, threads_as=None, **extra):
     """A params function: the stage's whole command, `<PYTHON> -m <module> <args>`, rendered
     from its config section and the named input, output and wildcards (plus ``extra`` values).
     Snakemake does not record params computed from input/output, hence stage_config beside it.
@@ -190,6 +224,10 @@ def stage_cmd(stage, gpus=None, threads_as=None, **extra):
     workflow_scripts/lib/workflow/gpus.py, which gives the job exactly that many GPUs of its own
     in CUDA_VISIBLE_DEVICES (a lease on local runs, SLURM's allocation on a cluster) and fails
     before the stage starts when there are fewer; with 0 the command runs unchanged.
+
+    ``nodes``: for a rule over several nodes (train.num_nodes), the command runs under
+    workflow_scripts/lib/workflow/nodes.py, which starts it once on each node of the SLURM job
+    (srun), each with ``gpus`` GPUs of that node.
 
     ``threads_as``: the stage's setting that takes the job's threads (what Snakemake gives the
     job, cores or the cluster's allocation); params from threads are not recorded, so a change
@@ -205,6 +243,8 @@ def stage_cmd(stage, gpus=None, threads_as=None, **extra):
         if gpus is not None:
             count = gpus(wildcards) if callable(gpus) else gpus
             cmd = f"{PYTHON} -m workflow_scripts.lib.workflow.gpus {int(count)} -- {cmd}"
+        if nodes > 1:
+            cmd = f"{PYTHON} -m workflow_scripts.lib.workflow.nodes {nodes} -- {cmd}"
         return cmd
 
     return render

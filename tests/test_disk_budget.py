@@ -1,7 +1,8 @@
 """extract.disk_budget: the plan (what is kept, the peak, the least budget, the costs), the engine
 and training sharing a directory within the budget without waiting on each other forever, and,
-on the mechanics build with real vLLM, the same draft as the unbounded run after kills of the
-trainer and of the engine; the dry-run's refusal."""
+on the mechanics build with real vLLM, the same draft as the unbounded run after a kill of the
+engine (a killed trainer takes its engine with it: tested with a stand-in engine); the dry-run's
+refusal."""
 
 from __future__ import annotations
 
@@ -288,20 +289,12 @@ def test_within_a_budget_the_draft_is_the_unbounded_ones_after_kills(unbounded):
     sampler = PeakSampler(stream)
     sampler.start()
 
-    # kill -9 the trainer after its first checkpoint: its engine goes with it
-    proc = start(cmd, b.out / "killed.log")
-    state = out / "state" / "state.pt"
-    wait_for(state.exists, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    time.sleep(1)
-    engines = subprocess.run(["pgrep", "-f", f"extract_stream .*{stream}"], capture_output=True)
-    assert engines.returncode == 1, f"an engine outlived its trainer: {engines.stdout}"
-
-    # kill -9 the engine: training stops naming its log, nothing half-written is taken
+    # kill -9 the engine after training's first checkpoint: training stops naming its log,
+    # nothing half-written is taken (that the engine dies with a killed trainer: below)
     proc = start(cmd, b.out / "engine_killed.log")
     log_text = lambda: (b.out / "engine_killed.log").read_text()  # noqa: E731
-    wait_for(lambda: "engine started (pid" in log_text(), proc)
+    state = out / "state" / "state.pt"
+    wait_for(lambda: state.exists() and "engine started (pid" in log_text(), proc)
     pid = int(log_text().split("engine started (pid ", 1)[1].split(",", 1)[0])
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(300) != 0
@@ -317,6 +310,39 @@ def test_within_a_budget_the_draft_is_the_unbounded_ones_after_kills(unbounded):
     assert 0 < sampler.peak <= budget
     costs = bp.costs(b.train.epochs)
     assert costs["recomputed_shards"] == 0  # an unlimited budget keeps every shard
+
+
+def test_the_engine_dies_with_a_trainer_killed_outright(tmp_path):
+    """kill -9 of the process that started the engine (training's first process) takes the
+    engine with it (its parent-death signal): here an engine that would sleep for minutes."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from workflow_scripts.lib.training.stream import Engine\n"
+        "e = Engine(['sleep', '300'], Path(sys.argv[1]), None)\n"
+        "print(e.proc.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen(
+        [PY, "-c", script, str(tmp_path / "engine.log")], cwd=ROOT, env=env, stdout=subprocess.PIPE
+    )
+    engine = int(trainer.stdout.readline())
+    assert Path(f"/proc/{engine}").exists()
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(engine):
+        time.sleep(0.05)
+    assert not _running(engine), "the engine outlived its trainer"
+
+
+def _running(pid: int) -> bool:
+    """Alive, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 @pytest.mark.workflow

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from tests.workflow_runner import copy_workflow, planned, snakemake
+from tests.workflow_runner import copy_workflow, planned_in_process, snakemake
 from workflow_scripts.lib.common import UserError, sha256_file
 from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, load_manifest
 from workflow_scripts.lib.hidden_states.manifest import merge_parts as merge
@@ -338,16 +338,14 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     """extract.num_jobs: 2 through the real rules: each job does its own shards, and the merged
     manifest holds the same shards (same fingerprints and samples, same states) as one job."""
     root, verifier, tokenized = world
-    work = copy_workflow(
-        tmp_path / "wf",
-        {
-            "verifier": str(verifier),
-            "chat_data": str(tokenized),  # not read: the tokenized data is placed below
-            "eval_prompts": str(tokenized),
-            "extract": {**TEST_PARAMS, "num_jobs": 2},
-            "evaluate": {"max_model_len_tokens": MAX_LEN},  # the verifier's positions: 512
-        },
-    )
+    config = {
+        "verifier": str(verifier),
+        "chat_data": str(tokenized),  # not read: the tokenized data is placed below
+        "eval_prompts": str(tokenized),
+        "extract": {**TEST_PARAMS, "num_jobs": 2},
+        "evaluate": {"max_model_len_tokens": MAX_LEN},  # the verifier's positions: 512
+    }
+    work = copy_workflow(tmp_path / "wf", config)
     for stage, name, data in (  # the stages before extraction, as if done (in their order)
         ("data", "chat_data.jsonl", tokenized.read_bytes()),
         ("prepare", "tokenized_data.jsonl", tokenized.read_bytes()),
@@ -355,7 +353,7 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
         (work / "results" / stage).mkdir(parents=True)
         (work / "results" / stage / name).write_bytes(data)
         (work / "results" / stage / "stats.json").write_text("{}")
-    assert planned(work, "hidden_states") == {"extract": 2, "extract_merge": 1}
+    assert planned_in_process(work, "hidden_states", config) == {"extract": 2, "extract_merge": 1}
     snakemake(work, "hidden_states", "--cores", "2", "--set-threads", "extract=1")
 
     out = work / "results" / "extract"
@@ -374,7 +372,7 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     log = (work / "results" / "logs" / "extract" / "job_1.log").read_text()
     assert "samples/s" in log and "tokens/s" in log and "ETA" in log
     # nothing changed: nothing to do
-    assert planned(work, "hidden_states") == {}
+    assert planned_in_process(work, "hidden_states", config) == {}
 
 
 # --------------------------------------------------------------------------- preflight

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.workflow_runner import planned, snakemake, write_config
+from tests.workflow_runner import planned, planned_in_process, snakemake, write_config
 from workflow_scripts.lib.workflow.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
@@ -91,9 +91,13 @@ def with_config(work: Path, config: dict, **changes) -> dict:
 def test_training_change_reruns_training_only(mechanics_build):
     work, config = mechanics_build
     try:
-        with_config(work, config, train={"epochs": 3})
-        assert planned(work, "evaluate") == {"train": 1, "evaluate_draft": 1, "resolved_config": 1}
-        assert planned(work, "draft_ckpt") == {"train": 1}
+        new = with_config(work, config, train={"epochs": 3})
+        assert planned_in_process(work, "evaluate", new) == {
+            "train": 1,
+            "evaluate_draft": 1,
+            "resolved_config": 1,
+        }
+        assert planned_in_process(work, "draft_ckpt", new) == {"train": 1}
     finally:
         write_config(work, config)
 
@@ -101,8 +105,8 @@ def test_training_change_reruns_training_only(mechanics_build):
 def test_vocab_change_reruns_vocab_and_training_not_extraction(mechanics_build):
     work, config = mechanics_build
     try:
-        with_config(work, config, vocab={"draft_vocab_size": 128})
-        assert planned(work, "draft_ckpt") == {"vocab": 1, "train": 1}
+        new = with_config(work, config, vocab={"draft_vocab_size": 128})
+        assert planned_in_process(work, "draft_ckpt", new) == {"vocab": 1, "train": 1}
     finally:
         write_config(work, config)
 
@@ -110,19 +114,23 @@ def test_vocab_change_reruns_vocab_and_training_not_extraction(mechanics_build):
 def test_extraction_change_reruns_extraction_and_training(mechanics_build):
     work, config = mechanics_build
     try:
-        with_config(work, config, extract={"aux_layer_ids": [1, 3, 5]})
-        assert planned(work, "draft_ckpt") == {"extract": 1, "extract_merge": 1, "train": 1}
+        new = with_config(work, config, extract={"aux_layer_ids": [1, 3, 5]})
+        assert planned_in_process(work, "draft_ckpt", new) == {
+            "extract": 1,
+            "extract_merge": 1,
+            "train": 1,
+        }
     finally:
         write_config(work, config)
 
 
 def test_training_code_change_reruns_training(mechanics_build):
-    work, _ = mechanics_build
+    work, config = mechanics_build
     path = work / "workflow_scripts" / "lib" / "draft" / "model.py"
     original = path.read_text()
     path.write_text(original + "\n# edited\n")
     try:
-        assert planned(work, "draft_ckpt") == {"train": 1}
+        assert planned_in_process(work, "draft_ckpt", config) == {"train": 1}
     finally:
         path.write_text(original)
 

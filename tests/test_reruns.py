@@ -228,9 +228,10 @@ def test_a_changed_job_count_recomputes_nothing(built, stage, log, message):
                 assert "resumed from" in text and "starting from scratch" not in text, text
                 assert not re.search(r"INFO step \d+/", text), "training took steps"
             assert sha256_file(draft) == before
-            assert planned(work, "draft_ckpt") == {}
-            stale = set(planned(work, TARGET))
+            changed = merged(config, {stage: {"num_jobs": num_jobs}})
+            assert planned_in_process(work, "draft_ckpt", changed) == {}
+            stale = set(planned_in_process(work, TARGET, changed))
             assert stale <= {"evaluate_draft", "evaluate"} and (not stale or trained)
     finally:
         write_config(work, config)
-    assert planned(work, "draft_ckpt") == {}
+    assert planned_in_process(work, "draft_ckpt", config) == {}

@@ -1,8 +1,11 @@
-"""Cluster execution against a real SLURM: a single node with 8 fake GPUs on this machine.
+"""Cluster execution against a real SLURM: two nodes with 8 fake GPUs each, both on this machine.
 
 tests/slurm/start_slurm.sh installs SLURM when it is missing (apt-get), writes /etc/slurm from the
-templates in tests/slurm/, and starts slurmctld and slurmd; the daemons are stopped by pid when the
-module's tests end. Needs root: skipped for a non-root user outside CI, an error in CI.
+templates in tests/slurm/, and starts slurmctld and one slurmd per node (two slurmd on one host,
+each its own node to SLURM: the closest real arrangement of several nodes one machine can hold;
+srun, the node ids and the job's node list are SLURM's own, only the network is one loopback);
+the daemons are stopped by pid when the session ends. Needs root: skipped for a non-root user
+outside CI, an error in CI.
 
 The workflow runs through `snakemake --profile P draft_ckpt`, P being profiles/slurm with
 tests/slurm/profile-overrides.yaml merged over it, on a copy of the session's mechanics build
@@ -22,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +36,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import workflow_runner
+from tests import multinode, workflow_runner
+from workflow_scripts.lib.common import sha256_file
 
 pytestmark = pytest.mark.workflow
 
@@ -48,6 +53,7 @@ FORCED = ["vocab"]
 RULES_RUN = {"vocab": 1, "extract": 2, "extract_merge": 1, "train": 1}
 # GPU jobs and the GPUs that tests/slurm/profile-overrides.yaml asks SLURM for
 GPU_RULES = {"extract": 4, "train": 8}
+HOST = socket.gethostname().split(".")[0]  # the first node's name; the second's is HOST-1
 
 
 def _needs_root():
@@ -66,8 +72,8 @@ def slurm_cluster():
     )
     if proc.returncode != 0:
         pytest.fail(f"start_slurm.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    pids = dict(re.findall(r"^(slurmctld|slurmd)_pid=(\d+)$", proc.stdout, flags=re.M))
-    assert set(pids) == {"slurmctld", "slurmd"}, proc.stdout
+    pids = re.findall(r"^(slurmctld|slurmd)_pid=(\d+)$", proc.stdout, flags=re.M)
+    assert sorted(name for name, _ in pids) == ["slurmctld", "slurmd", "slurmd"], proc.stdout
     submitted: list[str] = []  # job ids our tests submitted, cancelled before the daemons stop
     try:
         yield submitted
@@ -77,8 +83,8 @@ def slurm_cluster():
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and _active(submitted):
                 time.sleep(1)
-        for name in ("slurmd", "slurmctld"):
-            _stop(int(pids[name]))
+        for _, pid in sorted(pids, key=lambda p: p[0] == "slurmctld"):  # the nodes first
+            _stop(int(pid))
 
 
 def _active(job_ids: list[str]) -> bool:
@@ -206,6 +212,7 @@ def test_gpu_launcher_inside_slurm_jobs(slurm_cluster, tmp_path):
                 "--parsable",
                 gpus,
                 "--nodes=1",
+                f"--nodelist={HOST}",  # a and b side by side on one node's 8 GPUs
                 "--cpus-per-gpu=1",
                 "--mem=500",
                 f"--output={tmp_path / name}.log",
@@ -323,9 +330,9 @@ def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(
                 assert "gpu" not in recs[job_id].get("TresPerJob", ""), recs[job_id]
                 assert job_id not in poller.running_idx and job_id not in logged
 
-    # the two extraction jobs ran side by side (4 + 4 GPUs, 16 CPUs): on different GPUs
+    # the two extraction jobs, when side by side on one node (4 + 4 GPUs): on different GPUs
     a, b = (recs[j] for j in by_rule["extract"])
-    if _overlap(a, b):
+    if _overlap(a, b) and a["NodeList"] == b["NodeList"]:
         ia, ib = (set(poller.running_idx[j]) for j in by_rule["extract"])
         assert not ia & ib, (ia, ib)
 
@@ -354,3 +361,140 @@ def _failed_job_logs(workdir: Path) -> str:
             text = path.read_text(errors="replace")[-tail:]
             parts.append(f"\n--- {path.relative_to(workdir)}\n{text}")
     return "".join(parts)[-20000:]
+
+
+# ----------------------------------------------------------------- training over two nodes
+
+# The profile for training over nodes: the test cluster's, with rule train on the CPU (no fake
+# GPUs: the rule reserves nodes, tasks and srun itself), one CPU and one thread a task (Snakemake
+# sets OMP_NUM_THREADS to a job's threads: one, as tests/multinode.py trains)
+TRAIN_ON_CPU = {"tasks_per_gpu": 0, "cpus_per_task": 1, "mem_mb": 2000, "runtime": 30}
+
+
+def _node_processes(node: str) -> list[int]:
+    """Our processes on SLURM node ``node`` (by the SLURMD_NODENAME srun gives each task)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in environ and b"workflow_scripts" in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def _snakemake(workdir: Path, profile: Path, *args: str) -> subprocess.Popen:
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"), "draft_ckpt", "--profile", str(profile),
+        "--configfile", "test_config.yaml", *args,
+    ]  # fmt: skip
+    log = open(workdir / f"snakemake.{time.monotonic_ns()}.log", "w")
+    return subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        env=workflow_runner.env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, workdir: Path, slurm_cluster: list[str]) -> int:
+    try:
+        return proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+    finally:
+        ours = [j for j, r in all_jobs().items() if r.get("WorkDir") == str(workdir)]
+        slurm_cluster.extend(ours)
+
+
+@pytest.mark.workflow
+def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_is_lost(
+    slurm_cluster, mechanics_build, one_node_draft, tmp_path
+):
+    """`snakemake --profile ... draft_ckpt` with train.num_nodes 2 (one process a node): one
+    SLURM job over both nodes, the nodes launcher's srun starting the stage on each, each node's
+    torchrun meeting at node 0 (static rendezvous). Its draft is the one that one node of two
+    processes trains (conftest.py one_node_draft): the same bytes, gloo's all-reduce of two
+    ranks being the same sum. Then node 1's processes are killed (kill -9) after the first
+    checkpoint: the job fails, naming the cause; the same command resumes from the checkpoint
+    and ends at the same draft. The dry-run refuses what the cluster or profile cannot give."""
+    built, _ = mechanics_build
+    workdir = tmp_path / "wf"
+    shutil.copytree(built, workdir, symlinks=True)
+    workflow_runner.write_config(
+        workdir, multinode.config_with(built, num_nodes=2, num_cpu_processes=1)
+    )
+    profile = merged_profile(tmp_path / "profile")
+    settings = yaml.safe_load((profile / "config.yaml").read_text())
+    settings["set-resources"]["train"] = TRAIN_ON_CPU
+    settings["set-threads"] = {"train": 1}
+    (profile / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+    draft = workdir / "results" / "train" / "draft" / "model.safetensors"
+    train_log = workdir / "results" / "logs" / "train.log"
+
+    # at dry-run: more nodes than SLURM has, and a profile that gives the job one node
+    (workdir / "three_nodes.yaml").write_text(
+        yaml.safe_dump(multinode.config_with(built, num_nodes=3))
+    )
+    for configfile, extra, why in (
+        ("three_nodes.yaml", [], "train.num_nodes is 3, but SLURM has 2 node(s)"),
+        ("test_config.yaml", ["--set-resources", "train:nodes=1"], "the profile sets nodes: 1"),
+    ):
+        proc = subprocess.run(
+            [str(Path(sys.executable).parent / "snakemake"), "-n", "draft_ckpt", "--configfile",
+             configfile, *extra],
+            cwd=workdir, env=workflow_runner.env(), capture_output=True, text=True,
+        )  # fmt: skip
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and why in out and "train.num_nodes" in out, out[-3000:]
+
+    # uninterrupted: one job of two nodes, the one-node draft
+    assert _finish(_snakemake(workdir, profile), workdir, slurm_cluster) == 0, _failed_job_logs(
+        workdir
+    )
+    text = train_log.read_text()
+    assert sha256_file(draft) == one_node_draft, text[-3000:]
+    job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
+    rec = all_jobs()[job]
+    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
+    for rank, node in enumerate((HOST, f"{HOST}-1")):
+        assert f"node {rank} of 2 (SLURM job {job}, node {node}): starting 1 training" in text
+    assert (
+        f"--nnodes=2 --node-rank=1 --master-addr=127.0.0.1 --master-port={20000 + int(job) % 20000}"
+        in text
+    )
+    assert "over 2 process(es) on cpu" in text and "every process sees the same inputs" in text
+
+    # node 1 lost after the first checkpoint: the job fails, saying so
+    shutil.rmtree(workdir / "results" / "train" / "state")
+    state = workdir / "results" / "train" / "state" / "state.pt"
+    proc = _snakemake(workdir, profile, "--forcerun", "train")
+    deadline = time.monotonic() + 600
+    while not state.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
+        time.sleep(0.2)
+    killed = _node_processes(f"{HOST}-1")
+    assert killed, "no training process found on the second node"
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    assert _finish(proc, workdir, slurm_cluster) != 0
+    text = train_log.read_text()
+    assert "nodes: error: the command stopped on at least one of the 2 nodes" in text, text[-3000:]
+    assert "resumes from its last checkpoint" in text
+    time.sleep(2)
+    assert not _node_processes(HOST) and not _node_processes(f"{HOST}-1")  # none left behind
+
+    # the same command again: resumed from the checkpoint, the same draft
+    assert _finish(_snakemake(workdir, profile), workdir, slurm_cluster) == 0, _failed_job_logs(
+        workdir
+    )
+    text = train_log.read_text()
+    assert re.search(r"resumed from \S+state.pt at step (20|40) of 50", text), text[-3000:]
+    assert sha256_file(draft) == one_node_draft

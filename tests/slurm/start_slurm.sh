@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# A real single-node SLURM with 8 fake GPUs on this machine, for tests and for trying the
-# SLURM profile by hand. Needs root (apt-get, mknod, /etc/slurm).
+# A real two-node SLURM with 8 fake GPUs a node on this machine (two slurmd, nodes <host> and
+# <host>-1), for tests and for trying the SLURM profile by hand. Needs root (apt-get, mknod,
+# /etc/slurm).
 #
 #   tests/slurm/start_slurm.sh          install SLURM if missing, write /etc/slurm/{slurm,gres}.conf
 #                                       from the templates beside this script, make the fake GPU
-#                                       devices, start slurmctld and slurmd, wait until the node
-#                                       is idle; prints `slurmctld_pid=N` and `slurmd_pid=N`
-#   tests/slurm/start_slurm.sh stop     stop the two daemons named in the pid files it wrote
+#                                       devices, start slurmctld and a slurmd per node, wait until
+#                                       the nodes are idle; prints `slurmctld_pid=N` and a
+#                                       `slurmd_pid=N` per node
+#   tests/slurm/start_slurm.sh stop     stop the daemons named in the pid files it wrote
 #
 # It refuses to start when a slurmctld or slurmd is already running: it never takes over or
 # stops daemons that it did not start.
@@ -25,17 +27,17 @@ alive() { local st; st=$(ps -o stat= -p "$1" 2>/dev/null) && [[ -n "$st" && "$st
 die() { log "error: $*"; exit 1; }
 
 stop() {
-    local name pid
-    for name in slurmd slurmctld; do
-        [[ -f "$RUN_DIR/$name.pid" ]] || continue
-        pid=$(<"$RUN_DIR/$name.pid")
+    local file pid
+    for file in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmctld.pid"; do
+        [[ -f "$file" ]] || continue
+        pid=$(<"$file")
         if [[ -n "$pid" ]] && alive "$pid"; then
-            log "stopping $name (pid $pid)"
+            log "stopping $(basename "$file" .pid) (pid $pid)"
             kill -TERM "$pid" || true
             for _ in $(seq 1 100); do alive "$pid" || break; sleep 0.1; done
             if alive "$pid"; then kill -KILL "$pid" || true; fi
         fi
-        rm -f "$RUN_DIR/$name.pid"
+        rm -f "$file"
     done
 }
 
@@ -84,8 +86,10 @@ for name in slurm.conf gres.conf; do
     mv "$target.tmp" "$target"
 done
 
-mkdir -p "$RUN_DIR" /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
-rm -f "$RUN_DIR"/slurmctld.pid "$RUN_DIR"/slurmd.pid
+NODES=("$host" "$host-1")
+mkdir -p "$RUN_DIR" /var/spool/slurmctld /var/log/slurm
+for node in "${NODES[@]}"; do mkdir -p "/var/spool/slurmd/$node"; done
+rm -f "$RUN_DIR"/slurmctld.pid "$RUN_DIR"/slurmd*.pid
 
 # --- start: the Debian names (under the *-wlm names the node's Gres is silently dropped);
 # -c starts from a clean job state
@@ -101,27 +105,29 @@ wait_pidfile() {
 }
 slurmctld -c
 wait_pidfile slurmctld
-slurmd
-wait_pidfile slurmd
+for node in "${NODES[@]}"; do
+    slurmd -N "$node"
+    wait_pidfile "slurmd-$node"
+done
 
 state=""
 deadline=$((SECONDS + WAIT_S))
 while ((SECONDS < deadline)); do
     # a daemon can exit after writing its pid file (a fatal error in the config)
-    for name in slurmctld slurmd; do
-        alive "$(<"$RUN_DIR/$name.pid")" || { state="$name exited"; break 2; }
+    for file in "$RUN_DIR/slurmctld.pid" "$RUN_DIR"/slurmd-*.pid; do
+        alive "$(<"$file")" || { state="$(basename "$file" .pid) exited"; break 2; }
     done
-    state=$(timeout 10 sinfo -h -o %T 2>/dev/null | head -n1 || true)
-    [[ "$state" == idle ]] && break
+    state=$(timeout 10 sinfo -h -N -o %T 2>/dev/null | sort -u | tr '\n' ' ' || true)
+    [[ "$state" == "idle " ]] && break
     sleep 1
 done
-if [[ "$state" != idle ]]; then
-    log "node state '$state' after $((SECONDS - deadline + WAIT_S))s"
+if [[ "$state" != "idle " ]]; then
+    log "node states '$state' after $((SECONDS - deadline + WAIT_S))s"
     timeout 10 sinfo -N -o "%N %T %G %E" >&2 || true
-    tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+    tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd-*.log >&2 || true
     stop
-    die "the node did not become idle"
+    die "the nodes did not become idle"
 fi
-log "node $host idle with $(timeout 10 sinfo -h -o %G | head -n1)"
+log "nodes ${NODES[*]} idle with $(timeout 10 sinfo -h -o %G | head -n1) each"
 echo "slurmctld_pid=$(<"$RUN_DIR/slurmctld.pid")"
-echo "slurmd_pid=$(<"$RUN_DIR/slurmd.pid")"
+for node in "${NODES[@]}"; do echo "slurmd_pid=$(<"$RUN_DIR/slurmd-$node.pid")"; done

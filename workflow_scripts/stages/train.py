@@ -11,7 +11,10 @@
    ``extract.disk_budget``, runs the engine that computes them while it trains, within the
    budget (``lib/training/stream.py``).
 4. With ``num_gpus`` > 1 (or ``num_cpu_processes`` > 1 on the CPU) it starts itself under
-   torchrun and trains with DDP (``lib/training/processes.py``).
+   torchrun and trains with DDP (``lib/training/processes.py``). With ``num_nodes`` > 1 it runs
+   once on each node of a SLURM job (srun, ``lib/workflow/nodes.py``), each starting that
+   node's torchrun; the processes check that every node sees the same inputs, and share out
+   the shards' checksums.
 5. Trains, resumes, validates, logs and writes the draft and the metrics
    (``lib/training/trainer.py``).
 """
@@ -24,8 +27,13 @@ import sys
 import torch.distributed as dist
 
 from workflow_scripts.lib.common import UserError, run_main
-from workflow_scripts.lib.training.inputs import check_inputs
-from workflow_scripts.lib.training.processes import launch_processes, setup_processes
+from workflow_scripts.lib.training.inputs import check_inputs, check_same_view
+from workflow_scripts.lib.training.processes import (
+    launch_processes,
+    per_node,
+    setup_processes,
+    slurm_node,
+)
 from workflow_scripts.lib.training.stream import ENGINE_GPUS, engine_command
 from workflow_scripts.lib.training.trainer import Trainer
 from workflow_scripts.lib.workflow import cli
@@ -61,14 +69,19 @@ def main(argv: list[str] | None = None) -> None:
     io, p = cli.parse("train", argv)
     if io.engine_cmd:
         split_gpus(io, p)
-    wanted = p.num_gpus if p.num_gpus > 0 else p.num_cpu_processes
-    if wanted > 1 and "LOCAL_RANK" not in os.environ:
-        check_inputs(io, p)  # every input problem is reported here, before any process starts
-        launch_processes(STAGES["train"].module, argv, wanted, on_gpu=p.num_gpus > 0)
+    nodes = p.num_nodes > 1
+    if (per_node(p) > 1 or nodes) and "LOCAL_RANK" not in os.environ:
+        node = slurm_node(p.num_nodes) if nodes else None
+        # every input problem is reported here, before any process starts; over several
+        # nodes the processes share the checksums out (check_inputs below)
+        check_inputs(io, p, verify_checksums=not nodes)
+        launch_processes(STAGES["train"].module, argv, per_node(p), p.num_gpus > 0, node)
         return
     d = setup_processes(p)
     try:
-        inputs = check_inputs(io, p)
+        inputs = check_inputs(io, p, d=d if nodes else None)
+        if nodes:
+            check_same_view(inputs, d)
         Trainer(io, p, inputs, d).run()
     finally:
         if d.distributed and dist.is_initialized():

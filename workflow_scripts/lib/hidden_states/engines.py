@@ -192,7 +192,10 @@ def run_vllm(
         remaining[job.index] += 1
 
     def may_queue(job: ShardJob, i: int) -> bool:
-        if ready is None or i > 0 or job.index in remaining:
+        """A shard's first sample waits for ``ready``; so does a shard computed again while
+        its previous copy is still in flight (the same index: ``ready`` holds it until training
+        has read and removed that copy)."""
+        if ready is None or i > 0:
             return True
         return ready(job)
 

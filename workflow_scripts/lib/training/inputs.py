@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from workflow_scripts.lib.common import (
@@ -34,6 +36,7 @@ from workflow_scripts.lib.hidden_states.manifest import (
 )
 from workflow_scripts.lib.training.data import SampleIndex
 from workflow_scripts.lib.training.disk_budget import load_stream_plan
+from workflow_scripts.lib.training.processes import Dist
 from workflow_scripts.lib.training.stream import StreamedIndex, engine_command
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.definitions import TrainParams
@@ -140,9 +143,11 @@ def check_vocab_map(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Te
     return d2t.to(torch.int64), t2d.to(torch.bool)
 
 
-def verify_shard_checksums(manifest: dict, state_dir: Path) -> None:
+def verify_shard_checksums(manifest: dict, state_dir: Path, d: Dist | None = None) -> None:
     """sha256 of every shard against the manifest, in parallel threads. Results are remembered
-    in the state dir by (size, mtime), so a resumed run does not hash terabytes again."""
+    in the state dir by (size, mtime), so a resumed run does not hash terabytes again. With
+    ``d`` (training over several nodes) the shards are shared out over every process of every
+    node, each hashing its share as its node sees it, and every process learns every result."""
     cache_path = state_dir / VERIFIED_FILE
     try:
         cache = json.loads(cache_path.read_text())
@@ -154,24 +159,73 @@ def verify_shard_checksums(manifest: dict, state_dir: Path) -> None:
         return [st.st_size, st.st_mtime_ns, entry["sha256"]]
 
     todo = [e for e in manifest["shards"] if cache.get(e["path"]) != key(e)]
+    shared = d is not None and d.distributed
+    mine = todo[d.rank :: d.world] if shared else todo
     if not todo:
         return
     started = time.monotonic()
-    log.info("verifying the checksums of %d shard(s)", len(todo))
-    workers = min(8, len(todo), os.cpu_count() or 1)
+    log.info(
+        "verifying the checksums of %d shard(s)%s",
+        len(todo),
+        f" over {d.world} processes ({len(mine)} here)" if shared else "",
+    )
+    workers = max(1, min(8, len(mine), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        digests = list(pool.map(lambda e: sha256_file(e["path"]), todo))
-    for entry, digest in zip(todo, digests):
-        if digest != entry["sha256"]:
+        digests = list(pool.map(lambda e: sha256_file(e["path"]), mine))
+    results = [(e["path"], key(e), digest == e["sha256"]) for e, digest in zip(mine, digests)]
+    if shared:
+        gathered: list[Any] = [None] * d.world
+        dist.all_gather_object(gathered, results)
+        results = [r for part in gathered for r in part]
+    for path, _, ok in results:
+        if not ok:
             raise UserError(
-                f"shard {entry['path']} does not match its checksum in the manifest (corrupt or "
+                f"shard {path} does not match its checksum in the manifest (corrupt or "
                 "overwritten); delete it and re-run extraction"
             )
-        cache[entry["path"]] = key(entry)
     log.info("checksums verified in %s", format_seconds(time.monotonic() - started))
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(cache_path) as tmp:
-        tmp.write_text(json.dumps(cache))
+    if d is None or d.main:
+        cache.update({path: k for path, k, _ in results})
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cache_path) as tmp:
+            tmp.write_text(json.dumps(cache))
+    if shared:
+        d.barrier()
+
+
+def check_same_view(inputs: "Inputs", d: Dist) -> None:
+    """Training over several nodes: every process must read the same inputs, so the results
+    directory must lie on a file system all nodes share. Each process reports its host, the
+    fingerprint of its inputs (manifest, vocab map, verifier, settings) and the size of every
+    shard as it sees them; any that differ from node 0's stop every process, naming both."""
+    sizes = []
+    for entry in inputs.manifest["shards"]:
+        try:
+            sizes.append(os.stat(entry["path"]).st_size)
+        except OSError:
+            sizes.append(None)
+    mine = {"host": socket.gethostname(), "fingerprint": inputs.fingerprint, "sizes": sizes}
+    views: list[Any] = [None] * d.world
+    dist.all_gather_object(views, mine)
+    first = views[0]
+    for rank, view in enumerate(views):
+        if view["fingerprint"] != first["fingerprint"] or view["sizes"] != first["sizes"]:
+            what = "shard files" if view["fingerprint"] == first["fingerprint"] else "inputs"
+            raise UserError(
+                f"process {rank} on {view['host']} sees other {what} than process 0 on "
+                f"{first['host']} (the manifest, vocab map, verifier and every shard's size are "
+                "compared): training over several nodes reads them from one shared file system. "
+                "Put results_dir (and the verifier) on a path every node mounts "
+                "(docs/training.md#several-nodes)"
+            )
+    if d.main:
+        hosts = sorted({v["host"] for v in views})
+        log.info(
+            "every process sees the same inputs (%d shard(s)) on %d host(s): %s",
+            len(sizes),
+            len(hosts),
+            ", ".join(hosts),
+        )
 
 
 def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
@@ -188,7 +242,9 @@ def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def check_inputs(io: TrainIO, p: TrainParams, verify_checksums: bool = True) -> Inputs:
+def check_inputs(
+    io: TrainIO, p: TrainParams, verify_checksums: bool = True, d: Dist | None = None
+) -> Inputs:
     vcfg = verifier_files.verifier_config(io.verifier)
     V = int(vcfg["vocab_size"])
     streamed = bool(io.engine_cmd)
@@ -200,7 +256,7 @@ def check_inputs(io: TrainIO, p: TrainParams, verify_checksums: bool = True) -> 
     check_manifest(manifest, vcfg, Path(io.verifier), Path(io.manifest))
     d2t, t2d = check_vocab_map(Path(io.vocab_map), V)
     if verify_checksums and not streamed:
-        verify_shard_checksums(manifest, Path(io.state_dir))
+        verify_shard_checksums(manifest, Path(io.state_dir), d)
     tensors = verifier_files.locate_tensors(Path(io.verifier), vcfg)
     aux = list(manifest["aux_layer_ids"])
     ascending = sorted(aux)

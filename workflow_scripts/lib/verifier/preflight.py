@@ -210,6 +210,13 @@ def check_tokenizer(verifier_dir: Path | str, trust_remote_code: bool = False) -
 def warnings_for(cfg) -> list[str]:
     """What is allowed but probably not meant (needs no verifier)."""
     found = []
+    budget, longest = cfg.train.micro_batch_budget_tokens, cfg.prepare.max_seq_len_tokens
+    if budget < longest:
+        found.append(
+            f"train.micro_batch_budget_tokens {budget} is below prepare.max_seq_len_tokens "
+            f"{longest}: samples longer than {budget} tokens are cut to it in training (raise "
+            "train.micro_batch_budget_tokens to train on whole samples)"
+        )
     ttt, k = cfg.train.ttt_steps, cfg.evaluate.num_speculative_tokens
     if k > ttt:
         found.append(
@@ -253,20 +260,120 @@ def check_gpu_counts(
     problems: dict[str, list[str]] = {}  # by stage: each key is <stage>.<setting>
     for key, n in gpu_asks(cfg).items():
         found = problems.setdefault(key.split(".")[0], [])
-        if available is not None and n > available:
+        nodes = cfg.train.num_nodes if key.startswith("train.") else 1
+        total, total_key = n * nodes, key if nodes == 1 else f"{key} x train.num_nodes"
+        if available is not None and total > available:
             found.append(
-                f"{key} is {n} GPUs, but snakemake --resources gpu={available} gives at most "
-                f"{available}; lower {key.split(' x ')[0]}, or give Snakemake more GPUs"
+                f"{total_key} is {total} GPUs, but snakemake --resources gpu={available} gives "
+                f"at most {available}; lower {key.split(' x ')[0]}, or give Snakemake more GPUs"
             )
         if cfg.gpus_per_node is not None and n > cfg.gpus_per_node:
+            where = "a job runs on one node" if nodes == 1 else "that many run on each node"
             found.append(
-                f"{key} is {n} GPUs, but a node has {cfg.gpus_per_node} (gpus_per_node) and a "
-                f"job runs on one node; lower {key.split(' x ')[0]}"
+                f"{key} is {n} GPUs, but a node has {cfg.gpus_per_node} (gpus_per_node) and "
+                f"{where}; lower {key.split(' x ')[0]}"
             )
     errors, warnings = by_targets(problems, targets)
     if errors:
         raise UserError("\n".join(errors))
     return warnings
+
+
+def check_node_counts(
+    cfg,
+    overrides: dict[str, Any],
+    cluster: dict[str, Any] | None,
+    targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,),
+) -> list[str]:
+    """train.num_nodes against what the job will get: the profile's resources for rule train
+    (``overrides``: a set-resources entry replaces the rule's own), and the SLURM cluster
+    (``cluster``: its node count and most GPUs on a node, from sinfo; None where there is no
+    SLURM). Raises for the requested ``targets``; returns warnings for the others."""
+    n, per_node = cfg.train.num_nodes, cfg.train.num_gpus
+    found: list[str] = []
+    for name, want in (("nodes", n), ("tasks", n)):
+        got = overrides.get(name)
+        if got is not None and (n > 1 or name == "nodes") and int(got) != want:
+            found.append(
+                f"train.num_nodes is {n}, but the profile sets {name}: {got} for rule train "
+                f"(set-resources; it replaces the rule's own {name}: {want}): remove it from "
+                "the profile"
+            )
+    if n > 1 and cluster is None:
+        found.append(
+            f"train.num_nodes is {n}: training over several nodes runs in a SLURM job of {n} "
+            "nodes, and SLURM cannot be reached here (no sinfo); run with the SLURM profile on "
+            "the cluster, or set train.num_nodes: 1"
+        )
+    elif n > 1:
+        where = f" in partition {cluster['partition']}" if cluster.get("partition") else ""
+        if cluster["nodes"] < n:
+            found.append(
+                f"train.num_nodes is {n}, but SLURM has {cluster['nodes']} node(s){where}; "
+                "lower train.num_nodes"
+            )
+        if per_node > cluster["gpus_per_node"]:
+            found.append(
+                f"train.num_gpus is {per_node} GPUs on each of train.num_nodes {n} nodes, but "
+                f"SLURM's nodes{where} have at most {cluster['gpus_per_node']}; lower "
+                "train.num_gpus"
+            )
+    errors, warnings = by_targets({"train": found} if found else {}, targets)
+    if errors:
+        raise UserError("\n".join(errors))
+    return warnings
+
+
+def check_global_batch(
+    cfg, samples: int | None, targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,)
+) -> list[str]:
+    """The global batch against the prepared data (``samples``: prepare's rows, once its stats
+    exist): every micro-batch of every process holds one sample at least, so a training split
+    smaller than num_nodes x processes per node x grad_accum_steps cannot fill one step."""
+    t = cfg.train
+    per_node = t.num_gpus if t.num_gpus > 0 else t.num_cpu_processes
+    micro = t.num_nodes * per_node * t.grad_accum_steps
+    found = []
+    if samples is not None:
+        train_samples = samples - round(samples * t.validation_fraction)
+        if train_samples < micro:
+            key = "train.num_gpus" if t.num_gpus > 0 else "train.num_cpu_processes"
+            found.append(
+                f"the training split (about {train_samples} of the {samples} prepared samples) "
+                f"cannot fill one global batch of {micro} micro-batches (train.num_nodes "
+                f"{t.num_nodes} x {key} {per_node} x train.grad_accum_steps "
+                f"{t.grad_accum_steps}, one sample each at least); lower them, or add data"
+            )
+    errors, warnings = by_targets({"train": found} if found else {}, targets)
+    if errors:
+        raise UserError("\n".join(errors))
+    return warnings
+
+
+def slurm_cluster(partition: str | None, timeout_s: float = 10) -> dict[str, Any] | None:
+    """The SLURM cluster's node count and most GPUs on one node (of ``partition``, or all), from
+    ``sinfo``; None where there is no SLURM here."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("sinfo") is None:
+        return None
+    cmd = ["sinfo", "-h", "-N", "-o", "%N %G", *(["-p", partition] if partition else [])]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    nodes: dict[str, int] = {}
+    for line in out.stdout.splitlines():
+        name, _, gres = line.partition(" ")
+        gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
+        nodes[name] = max(nodes.get(name, 0), sum(gpus))
+    return {
+        "nodes": len(nodes),
+        "gpus_per_node": max(nodes.values(), default=0),
+        "partition": partition,
+    }
 
 
 def check_workflow(

@@ -61,6 +61,7 @@ DOCS = {
     "*.use_gpus": _GPUS,
     "*.tensor_parallel_size": _GPUS,
     "train.num_gpus": _GPUS,
+    "train.num_nodes": "docs/training.md#several-nodes",
     **{
         f"regenerate.{key}": _REGENERATE
         for key in ("enabled", "temperature", "top_p", "max_new_tokens_per_turn", "on_*")
@@ -132,6 +133,13 @@ class _TopLevel(BaseModel):
             raise ValueError(
                 f"config key 'eval_prompts': set demo ({demo[0]}) is the embedded default's "
                 "held-out prompts, built only when 'verifier' is null: name your own prompts"
+            )
+        if self.train.num_nodes > 1 and self.extract.disk_budget is not None:
+            raise ValueError(
+                f"train.num_nodes {self.train.num_nodes} with extract.disk_budget: the engine "
+                "that computes hidden states within a budget runs beside training on one node. "
+                "Over several nodes, extract without a budget (extraction jobs spread over the "
+                "nodes), then train: set extract.disk_budget: null, or train.num_nodes: 1"
             )
         return self
 

@@ -14,9 +14,9 @@ against ``--resources gpu=...`` but never tells a job *which* GPUs are its own, 
   ``nvidia-smi -L`` lists. Fewer than N GPUs in the pool is an error, raised before COMMAND runs.
 * A lease is an exclusive ``flock`` on one lock file per GPU id in the lock directory
   (``$EAGLE3_GPU_LOCK_DIR``, default ``/tmp/eagle3-gpu-locks``; inside a SLURM job a
-  subdirectory per job, since SLURM may number each job's GPUs from 0). The locks stay held by
-  COMMAND (the file descriptors are inherited across ``exec``) and are released by the kernel
-  when it exits, however it exits: nothing is left to clean up after a crash or a kill.
+  subdirectory per job and node, since SLURM may number each job's GPUs from 0). The locks stay
+  held by COMMAND (the file descriptors are inherited across ``exec``) and are released by the
+  kernel when it exits, however it exits: nothing is left to clean up after a crash or a kill.
   When the pool has enough GPUs but fewer than N are free, the launcher waits for them.
 * Inside a SLURM job whose allocation holds exactly N GPUs (the SLURM executor's jobs), the
   lease is the whole allocation: ``CUDA_VISIBLE_DEVICES`` is passed on as SLURM set it.
@@ -84,8 +84,9 @@ def gpu_pool(environ: dict[str, str]) -> tuple[list[str], str]:
 
 def lock_dir(environ: dict[str, str]) -> Path:
     base = Path(environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)
-    if "SLURM_JOB_ID" in environ:
-        return base / f"slurm-job-{environ['SLURM_JOB_ID']}"
+    if "SLURM_JOB_ID" in environ:  # a job's GPU ids are its own, node by node
+        node = environ.get("SLURMD_NODENAME")
+        return base / f"slurm-job-{environ['SLURM_JOB_ID']}{f'-{node}' if node else ''}"
     return base
 
 

@@ -167,6 +167,14 @@ class TrainParams(StageParams):
         "of processes sets the global batch (processes x grad_accum_steps micro-batches), and "
         "GPUs train in bf16.",
     )
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description="Nodes training runs on, each with num_gpus GPUs (or num_cpu_processes on "
+        "the CPU): one SLURM job over whole nodes, one torchrun per node started by srun. A "
+        "result setting: nodes x processes per node sets the global batch; 2 nodes x 1 process "
+        "train the weights of 1 node x 2.",
+    )
     num_cpu_processes: int = Field(
         1,
         ge=1,
