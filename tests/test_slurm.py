@@ -420,17 +420,17 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
 ):
     """`snakemake --profile ... draft_ckpt` with train.num_nodes 2 (one process a node): one
     SLURM job over both nodes, the nodes launcher's srun starting the stage on each, each node's
-    torchrun meeting at node 0 (static rendezvous). Its draft is the one that one node of two
-    processes trains (conftest.py one_node_draft): the same bytes, gloo's all-reduce of two
-    ranks being the same sum. Then node 1's processes are killed (kill -9) after the first
-    checkpoint: the job fails, naming the cause; the same command resumes from the checkpoint
-    and ends at the same draft. The dry-run refuses what the cluster or profile cannot give."""
+    torchrun meeting at node 0 (static rendezvous). Node 1's processes are killed (kill -9)
+    after the first checkpoint: the job fails, naming the cause. The same command resumes from
+    the checkpoint, again on two nodes, and ends at the draft that one node of two processes
+    trains uninterrupted (conftest.py one_node_draft; tests/test_train_nodes.py shows two
+    nodes uninterrupted give it too): the same bytes, gloo's all-reduce of two ranks being the
+    same sum. The dry-run refuses what the cluster or profile cannot give."""
     built, _ = mechanics_build
     workdir = tmp_path / "wf"
     shutil.copytree(built, workdir, symlinks=True)
-    workflow_runner.write_config(
-        workdir, multinode.config_with(built, num_nodes=2, num_cpu_processes=1)
-    )
+    config = multinode.config_with(built, num_nodes=2, num_cpu_processes=1)
+    workflow_runner.write_config(workdir, config)
     profile = merged_profile(tmp_path / "profile")
     settings = yaml.safe_load((profile / "config.yaml").read_text())
     settings["set-resources"]["train"] = TRAIN_ON_CPU
@@ -440,42 +440,19 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
     train_log = workdir / "results" / "logs" / "train.log"
 
     # at dry-run: more nodes than SLURM has, and a profile that gives the job one node
-    (workdir / "three_nodes.yaml").write_text(
-        yaml.safe_dump(multinode.config_with(built, num_nodes=3))
-    )
-    for configfile, extra, why in (
-        ("three_nodes.yaml", [], "train.num_nodes is 3, but SLURM has 2 node(s)"),
-        ("test_config.yaml", ["--set-resources", "train:nodes=1"], "the profile sets nodes: 1"),
+    for changed, set_resources, why in (
+        (multinode.config_with(built, num_nodes=3), None, "num_nodes is 3, but SLURM has 2 node"),
+        (config, {"train": {"nodes": 1}}, "the profile sets nodes: 1 for rule train"),
     ):
-        proc = subprocess.run(
-            [str(Path(sys.executable).parent / "snakemake"), "-n", "draft_ckpt", "--configfile",
-             configfile, *extra],
-            cwd=workdir, env=workflow_runner.env(), capture_output=True, text=True,
-        )  # fmt: skip
-        out = proc.stdout + proc.stderr
-        assert proc.returncode != 0 and why in out and "train.num_nodes" in out, out[-3000:]
+        error, out = workflow_runner.dry_run_in_process(
+            workdir, "draft_ckpt", changed, set_resources
+        )
+        assert error is not None and why in error and "train.num_nodes" in error, out[-3000:]
 
-    # uninterrupted: one job of two nodes, the one-node draft
-    assert _finish(_snakemake(workdir, profile), workdir, slurm_cluster) == 0, _failed_job_logs(
-        workdir
-    )
-    text = train_log.read_text()
-    assert sha256_file(draft) == one_node_draft, text[-3000:]
-    job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
-    rec = all_jobs()[job]
-    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
-    for rank, node in enumerate((HOST, f"{HOST}-1")):
-        assert f"node {rank} of 2 (SLURM job {job}, node {node}): starting 1 training" in text
-    assert (
-        f"--nnodes=2 --node-rank=1 --master-addr=127.0.0.1 --master-port={20000 + int(job) % 20000}"
-        in text
-    )
-    assert "over 2 process(es) on cpu" in text and "every process sees the same inputs" in text
-
-    # node 1 lost after the first checkpoint: the job fails, saying so
+    # one job of two nodes; node 1 lost after the first checkpoint: the job fails, saying so
     shutil.rmtree(workdir / "results" / "train" / "state")
     state = workdir / "results" / "train" / "state" / "state.pt"
-    proc = _snakemake(workdir, profile, "--forcerun", "train")
+    proc = _snakemake(workdir, profile)
     deadline = time.monotonic() + 600
     while not state.exists():
         assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
@@ -486,6 +463,14 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
         os.kill(pid, signal.SIGKILL)
     assert _finish(proc, workdir, slurm_cluster) != 0
     text = train_log.read_text()
+    job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
+    rec = all_jobs()[job]
+    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
+    port = 20000 + int(job) % 20000
+    for rank, node in enumerate((HOST, f"{HOST}-1")):
+        assert f"node {rank} of 2 (SLURM job {job}, node {node}): starting 1 training" in text
+        assert f"--nnodes=2 --node-rank={rank} --master-addr=127.0.0.1 --master-port={port}" in text
+    assert "over 2 process(es) on cpu" in text and "every process sees the same inputs" in text
     assert "nodes: error: the command stopped on at least one of the 2 nodes" in text, text[-3000:]
     assert "resumes from its last checkpoint" in text
     time.sleep(2)

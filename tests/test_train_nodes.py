@@ -73,7 +73,6 @@ def test_node_counts_against_the_profile_and_the_cluster():
     refused = {
         "the profile sets nodes: 1 for rule train": ({"nodes": 1}, cluster, two),
         "the profile sets tasks: 1 for rule train": ({"tasks": 1}, cluster, two),
-        "SLURM cannot be reached here": ({}, None, two),
         "but SLURM has 2 node(s) in partition gpu; lower train.num_nodes": (
             {},
             cluster,
@@ -86,6 +85,9 @@ def test_node_counts_against_the_profile_and_the_cluster():
         with pytest.raises(UserError) as exc:
             preflight.check_node_counts(config, overrides, where)
         assert why in str(exc.value) and "train.num_nodes" in str(exc.value), str(exc.value)
+    # no SLURM here: nothing to check against, a warning only (the job stops outside SLURM)
+    (warning,) = preflight.check_node_counts(two, {}, None)
+    assert "train.num_nodes is 2" in warning and "SLURM cannot be reached here" in warning
     # a target that needs no training: a warning
     (warning,) = preflight.check_node_counts(two, {"nodes": 1}, cluster, ["vocab_map"])
     assert "the profile sets nodes: 1" in warning
@@ -109,33 +111,40 @@ def test_a_disk_budget_over_several_nodes_is_refused():
 # ----------------------------------------------------------------- checked at the job's start
 
 
-def _view_worker(rank: int, port: int, differ: str, out: Path) -> None:
+VIEW_CASES = ("none", "inputs", "shards")  # what process 1 sees differently
+
+
+def _view_worker(rank: int, port: int, out: Path) -> None:
     from workflow_scripts.lib.training.inputs import check_same_view
     from workflow_scripts.lib.training.processes import Dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    shard = out / f"shard_{rank if differ == 'shards' else 0}.bin"  # 10 and 11 bytes
-    fingerprint = f"f{rank}" if differ == "inputs" else "f"
-    inputs = SimpleNamespace(fingerprint=fingerprint, manifest={"shards": [{"path": str(shard)}]})
     try:
-        check_same_view(inputs, Dist(rank=rank, world=2, distributed=True))
-        (out / f"rank{rank}.txt").write_text("same")
-    except UserError as exc:
-        (out / f"rank{rank}.txt").write_text(str(exc))
+        for differ in VIEW_CASES:
+            shard = out / f"shard_{rank if differ == 'shards' else 0}.bin"  # 10 and 11 bytes
+            fingerprint = f"f{rank}" if differ == "inputs" else "f"
+            manifest = {"shards": [{"path": str(shard)}]}
+            inputs = SimpleNamespace(fingerprint=fingerprint, manifest=manifest)
+            try:
+                check_same_view(inputs, Dist(rank=rank, world=2, distributed=True))
+                said = "same"
+            except UserError as exc:
+                said = str(exc)
+            (out / f"{differ}.rank{rank}.txt").write_text(said)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("differ", ["none", "inputs", "shards"])
-def test_every_process_must_see_the_same_inputs(tmp_path, differ):
+def test_every_process_must_see_the_same_inputs(tmp_path):
     for rank in range(2):
         (tmp_path / f"shard_{rank}.bin").write_bytes(b"x" * (10 + rank))
-    mp.spawn(_view_worker, args=(multinode.free_port(), differ, tmp_path), nprocs=2)
-    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    if differ == "none":
-        assert said == ["same", "same"]
-    else:
+    mp.spawn(_view_worker, args=(multinode.free_port(), tmp_path), nprocs=2)
+    for differ in VIEW_CASES:
+        said = [(tmp_path / f"{differ}.rank{r}.txt").read_text() for r in range(2)]
+        if differ == "none":
+            assert said == ["same", "same"]
+            continue
         what = "inputs" if differ == "inputs" else "shard files"
         assert said[0] == said[1] and "process 1 on " in said[0], said
         assert f"sees other {what} than process 0" in said[0]

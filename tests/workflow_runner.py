@@ -84,10 +84,13 @@ def jobs_in(out: str) -> Counter:
     return jobs
 
 
-def dry_run_in_process(workdir: Path, target: str, config: dict) -> tuple[str | None, str]:
+def dry_run_in_process(
+    workdir: Path, target: str, config: dict, set_resources: dict | None = None
+) -> tuple[str | None, str]:
     """A dry-run of ``target`` with ``config`` over config.yaml, from Snakemake's Python API in
     this process (a tenth of a second instead of the seconds a new Snakemake process takes):
-    (the error that stopped it, or None; everything it wrote)."""
+    (the error that stopped it, or None; everything it wrote). ``set_resources``: by rule, as
+    --set-resources or a profile's set-resources give them."""
     import contextlib
     import io
     import tempfile
@@ -109,7 +112,9 @@ def dry_run_in_process(workdir: Path, target: str, config: dict) -> tuple[str | 
             with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
                 with SnakemakeApi() as api:
                     workflow = api.workflow(
-                        resource_settings=ResourceSettings(cores=2),
+                        resource_settings=ResourceSettings(
+                            cores=2, overwrite_resources=set_resources or {}
+                        ),
                         config_settings=ConfigSettings(configfiles=[Path(fh.name)]),
                         storage_settings=StorageSettings(),
                         snakefile=workdir / "Snakefile",
