@@ -255,40 +255,17 @@ def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(
     profile = merged_profile(tmp_path / "profile")
     poller = JobPoller()
     poller.start()
-    cmd = [
-        str(Path(sys.executable).parent / "snakemake"),
-        "draft_ckpt",
-        "--profile",
-        str(profile),
-        "--configfile",
-        "test_config.yaml",
-        "--forcerun",
-        *FORCED,
-    ]
     log_path = tmp_path / "snakemake.log"
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=workdir,
-            env=workflow_runner.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        finally:
-            poller.stop_event.set()
-            poller.join()
-            ours = [j for j, r in all_jobs().items() if r.get("WorkDir") == str(workdir)]
-            slurm_cluster.extend(ours)  # whatever still runs is cancelled by the fixture
+    try:
+        proc = _snakemake(workdir, profile, log_path, "--forcerun", *FORCED)
+        returncode = _finish(proc, workdir, slurm_cluster)  # what still runs is cancelled
+    finally:
+        poller.stop_event.set()
+        poller.join()
     elapsed = time.monotonic() - started
     text = log_path.read_text()
-    assert proc.returncode == 0, f"snakemake failed ({proc.returncode}) after {elapsed:.0f}s:\n" + (
+    assert returncode == 0, f"snakemake failed ({returncode}) after {elapsed:.0f}s:\n" + (
         text[-12000:] + _failed_job_logs(workdir)
     )
     print(f"workflow on SLURM: {elapsed:.0f}s")
@@ -387,12 +364,14 @@ def _node_processes(node: str) -> list[int]:
     return found
 
 
-def _snakemake(workdir: Path, profile: Path, *args: str) -> subprocess.Popen:
+def _snakemake(workdir: Path, profile: Path, log_path: Path, *args: str) -> subprocess.Popen:
+    """`snakemake draft_ckpt --profile P` in ``workdir``, in a session of its own, writing to
+    ``log_path``."""
     cmd = [
         str(Path(sys.executable).parent / "snakemake"), "draft_ckpt", "--profile", str(profile),
         "--configfile", "test_config.yaml", *args,
     ]  # fmt: skip
-    log = open(workdir / f"snakemake.{time.monotonic_ns()}.log", "w")
+    log = open(log_path, "w")
     return subprocess.Popen(
         cmd,
         cwd=workdir,
@@ -404,6 +383,8 @@ def _snakemake(workdir: Path, profile: Path, *args: str) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, workdir: Path, slurm_cluster: list[str]) -> int:
+    """Its exit status, killed after RUN_TIMEOUT_S; the SLURM jobs of ``workdir`` are handed to
+    the cluster fixture, which cancels any still running."""
     try:
         return proc.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -452,7 +433,7 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
     # one job of two nodes; node 1 lost after the first checkpoint: the job fails, saying so
     shutil.rmtree(workdir / "results" / "train" / "state")
     state = workdir / "results" / "train" / "state" / "state.pt"
-    proc = _snakemake(workdir, profile)
+    proc = _snakemake(workdir, profile, tmp_path / "killed.log")
     deadline = time.monotonic() + 600
     while not state.exists():
         assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
@@ -477,9 +458,8 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
     assert not _node_processes(HOST) and not _node_processes(f"{HOST}-1")  # none left behind
 
     # the same command again: resumed from the checkpoint, the same draft
-    assert _finish(_snakemake(workdir, profile), workdir, slurm_cluster) == 0, _failed_job_logs(
-        workdir
-    )
+    proc = _snakemake(workdir, profile, tmp_path / "resumed.log")
+    assert _finish(proc, workdir, slurm_cluster) == 0, _failed_job_logs(workdir)
     text = train_log.read_text()
     assert re.search(r"resumed from \S+state.pt at step (20|40) of 50", text), text[-3000:]
     assert sha256_file(draft) == one_node_draft

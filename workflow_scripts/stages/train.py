@@ -30,7 +30,6 @@ from workflow_scripts.lib.common import UserError, run_main
 from workflow_scripts.lib.training.inputs import check_inputs, check_same_view
 from workflow_scripts.lib.training.processes import (
     launch_processes,
-    per_node,
     setup_processes,
     slurm_node,
 )
@@ -70,12 +69,12 @@ def main(argv: list[str] | None = None) -> None:
     if io.engine_cmd:
         split_gpus(io, p)
     nodes = p.num_nodes > 1
-    if (per_node(p) > 1 or nodes) and "LOCAL_RANK" not in os.environ:
+    if (p.processes_per_node > 1 or nodes) and "LOCAL_RANK" not in os.environ:
         node = slurm_node(p.num_nodes) if nodes else None
         # every input problem is reported here, before any process starts; over several
         # nodes the processes share the checksums out (check_inputs below)
         check_inputs(io, p, verify_checksums=not nodes)
-        launch_processes(STAGES["train"].module, argv, per_node(p), p.num_gpus > 0, node)
+        launch_processes(STAGES["train"].module, argv, p.processes_per_node, p.num_gpus > 0, node)
         return
     d = setup_processes(p)
     try:

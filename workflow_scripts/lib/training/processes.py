@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.workflow.definitions import TrainParams
+from workflow_scripts.lib.workflow.nodes import scontrol, scontrol_fields
 
 log = logging.getLogger("eagle3")
 
@@ -45,18 +46,13 @@ class Dist:
         return t.cpu()
 
 
-def per_node(p: TrainParams) -> int:
-    """Training processes on each node: one per GPU, or num_cpu_processes on the CPU."""
-    return p.num_gpus if p.num_gpus > 0 else p.num_cpu_processes
-
-
 def setup_processes(p: TrainParams) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    wanted = per_node(p) * p.num_nodes
+    wanted = p.processes_per_node * p.num_nodes
     if world != wanted:
         raise UserError(
             f"started as {world} process(es), the settings ask for {wanted} (train.num_nodes "
-            f"{p.num_nodes} x {per_node(p)} per node)"
+            f"{p.num_nodes} x {p.processes_per_node} per node)"
         )
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if p.num_gpus > 0:
@@ -127,10 +123,11 @@ def slurm_node(count: int, environ: dict[str, str] | None = None) -> Node:
             "task(s): it needs one task on each of train.num_nodes nodes"
         )
     step_nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
-    first = _scontrol("show", "hostnames", step_nodes).split()[0]
-    fields = dict(
-        f.split("=", 1) for f in _scontrol("show", "node", "-o", first).split() if "=" in f
-    )
+    hosts = scontrol("show", "hostnames", step_nodes).split()
+    if not hosts:
+        raise UserError(f"scontrol could not expand this SLURM step's node list {step_nodes}")
+    first = hosts[0]
+    fields = scontrol_fields("show", "node", "-o", first)
     job = int(env["SLURM_JOB_ID"])
     return Node(
         count=count,
@@ -139,13 +136,6 @@ def slurm_node(count: int, environ: dict[str, str] | None = None) -> Node:
         master_port=20000 + job % 20000,
         where=f"SLURM job {job}, node {env.get('SLURMD_NODENAME', '?')}",
     )
-
-
-def _scontrol(*args: str) -> str:
-    proc = subprocess.run(["scontrol", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"scontrol {' '.join(args)} failed: {proc.stderr.strip()}")
-    return proc.stdout
 
 
 def launch_processes(

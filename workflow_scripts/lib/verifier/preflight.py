@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import platform
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -290,7 +293,7 @@ def check_node_counts(
     (``cluster``: its node count and most GPUs on a node, from sinfo; None where there is no
     SLURM here, which is warned of only: nothing to check against). Raises for the requested
     ``targets``; returns warnings for the others."""
-    n, per_node = cfg.train.num_nodes, cfg.train.num_gpus
+    n, gpus = cfg.train.num_nodes, cfg.train.num_gpus
     found: list[str] = []
     unknown: list[str] = []  # what cannot be checked here: a warning whatever the targets
     for name, want in (("nodes", n), ("tasks", n)):
@@ -314,9 +317,9 @@ def check_node_counts(
                 f"train.num_nodes is {n}, but SLURM has {cluster['nodes']} node(s){where}; "
                 "lower train.num_nodes"
             )
-        if per_node > cluster["gpus_per_node"]:
+        if gpus > cluster["gpus_per_node"]:
             found.append(
-                f"train.num_gpus is {per_node} GPUs on each of train.num_nodes {n} nodes, but "
+                f"train.num_gpus is {gpus} GPUs on each of train.num_nodes {n} nodes, but "
                 f"SLURM's nodes{where} have at most {cluster['gpus_per_node']}; lower "
                 "train.num_gpus"
             )
@@ -333,7 +336,7 @@ def check_global_batch(
     exist): every micro-batch of every process holds one sample at least, so a training split
     smaller than num_nodes x processes per node x grad_accum_steps cannot fill one step."""
     t = cfg.train
-    per_node = t.num_gpus if t.num_gpus > 0 else t.num_cpu_processes
+    per_node = t.processes_per_node
     micro = t.num_nodes * per_node * t.grad_accum_steps
     found = []
     if samples is not None:
@@ -355,10 +358,6 @@ def check_global_batch(
 def slurm_cluster(partition: str | None, timeout_s: float = 10) -> dict[str, Any] | None:
     """The SLURM cluster's node count and most GPUs on one node (of ``partition``, or all), from
     ``sinfo``; None where there is no SLURM here."""
-    import re
-    import shutil
-    import subprocess
-
     if shutil.which("sinfo") is None:
         return None
     cmd = ["sinfo", "-h", "-N", "-o", "%N %G", *(["-p", partition] if partition else [])]

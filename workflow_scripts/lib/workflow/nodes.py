@@ -39,13 +39,21 @@ def srun_command(n: int, command: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
+def scontrol(*args: str) -> str:
+    """What ``scontrol ARGS`` prints ('' where it fails)."""
+    proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def scontrol_fields(*args: str) -> dict[str, str]:
+    """A one-line record (``scontrol show ... -o``) as its key=value fields."""
+    return dict(f.split("=", 1) for f in scontrol(*args).split() if "=" in f)
+
+
 def job_nodes(job_id: str) -> tuple[int, str]:
     """The SLURM job's node count and node list, as SLURM records them (the executor's job
     step keeps SLURM_JOB_ID but drops the allocation's other SLURM_* variables)."""
-    proc = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False
-    )
-    fields = dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+    fields = scontrol_fields("show", "job", "-o", job_id)
     return int(fields.get("NumNodes", "0").split("-")[0] or 0), fields.get("NodeList", "?")
 
 

@@ -32,6 +32,11 @@ class TrainParams(StageParams):
             )
         return self
 
+    @property
+    def processes_per_node(self) -> int:
+        """Training processes on each node: one per GPU, or num_cpu_processes on the CPU."""
+        return self.num_gpus if self.num_gpus > 0 else self.num_cpu_processes
+
     EXECUTION = {
         "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
         "the uninterrupted one's steps exactly",
