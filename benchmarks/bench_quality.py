@@ -93,6 +93,41 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "train.norm_before_fc and train.norm_output: true",
         {"train": {"norm_before_fc": True, "norm_output": True}},
     ),
+    "speculators_equal_steps": (
+        "speculators 0.9's recipe at the baseline's steps: 1,024-token micro-batches",
+        {"train": {**SPECULATORS, "micro_batch_budget_tokens": 1024, "warmup_steps": 30}},
+    ),
+    "accepted_chain": (
+        "train.ttt_positions: accepted_chain (GRIFFIN's token alignment)",
+        {"train": {"ttt_positions": "accepted_chain"}},
+    ),
+    "topk_loss": (
+        "train.topk_loss_weight: 1 (HASS's top-K distillation, K 10)",
+        {"train": {"topk_loss_weight": 1.0}},
+    ),
+    "step_decay": (
+        "train.ttt_step_loss_decay: 0.8 (EAGLE's per-step weights)",
+        {"train": {"ttt_step_loss_decay": 0.8}},
+    ),
+    "ttt_5": ("train.ttt_steps: 5 (deeper than the served k = 3)", {"train": {"ttt_steps": 5}}),
+    "layers_2": ("train.num_draft_layers: 2", {"train": {"num_draft_layers": 2}}),
+    "layers_3": ("train.num_draft_layers: 3", {"train": {"num_draft_layers": 3}}),
+    "muon_matched": (
+        "train.optimizer: muon at the baseline's learning rate (3e-3) with AdamW on the rest",
+        {"train": {"optimizer": "muon", "muon_learning_rate": 3e-3}},
+    ),
+    "aux_noise": (
+        "train.aux_noise: 0.3 (uniform noise, about 6% of the states' RMS)",
+        {"train": {"aux_noise": 0.3}},
+    ),
+    "regenerate_sampled": (
+        "regenerate.temperature: 1 (the verifier's sampled answers, not its greedy ones)",
+        {"regenerate": {"temperature": 1.0}},
+    ),
+    "aux_layers_high": (
+        "extract.aux_layer_ids: [2, 4, 7] (the last layer's input, not N - 3's)",
+        {"extract": {"aux_layer_ids": [2, 4, 7]}},
+    ),
     "storage_bfloat16": (
         "extract.storage_dtype: bfloat16",
         {"extract": {"storage_dtype": "bfloat16"}},
@@ -102,8 +137,19 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         {"extract": {"storage_dtype": "float8_e4m3fn"}},
     ),
 }
-# what a plain run measures (the rest, parts of the speculators recipe, with --only)
-DEFAULT = ("baseline", "lk_hybrid", "tv", "fc_norm", "epochs_2x", "speculators")
+# what a plain run measures: the methods at the baseline's steps and tokens per step, and the
+# reference recipe at those steps and at its own micro-batches (the rest with --only)
+DEFAULT = (
+    "baseline",
+    "speculators_equal_steps",
+    "speculators",
+    "layers_2",
+    "layers_3",
+    "topk_loss",
+    "ttt_5",
+    "step_decay",
+    "accepted_chain",
+)
 
 
 def run_name(variant: str, seed: int) -> str:

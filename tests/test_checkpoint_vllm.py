@@ -2,7 +2,8 @@
 embedded demo verifier: they load, generate the verifier's own greedy text, and their acceptance
 is clearly above an untrained draft's of the same shape. This is the proof that layer ids,
 shifts, d2t and norms line up between training and serving, with and without EAGLE-3.1's
-options (speculators' norm_before_fc and vLLM's fc_norm, and norm_output).
+options (speculators' norm_before_fc and vLLM's fc_norm, and norm_output) and a second draft
+layer.
 
 The vLLM part runs in a subprocess: this file, run as a script on a JSON request file, generates
 and writes vLLM's speculative-decoding counters back into that file.
@@ -150,7 +151,7 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     assert torch.equal(shipped["embed_tokens.weight"], model.model.embed_tokens.weight)
 
     # EAGLE-3.1's options, both readings: an input norm before fc (speculators') and a norm on
-    # each auxiliary state (vLLM's fc_norm), the normed output fed back
+    # each auxiliary state (vLLM's fc_norm), the normed output fed back; and two draft layers
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a small model on a shared machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -162,7 +163,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
         micro_batch_budget_tokens=4096,
         checkpoint_every_steps=1000,
     )
-    args31 = inputs.args(out31, norm_before_fc=True, norm_output=True, fc_norm=True, **settings)
+    args31 = inputs.args(
+        out31, norm_before_fc=True, norm_output=True, fc_norm=True, num_draft_layers=2, **settings
+    )
     try:
         train.main(args31)
     finally:
@@ -172,6 +175,8 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     assert config31["fc_norm"] is True
     weights31 = load_file(str(out31 / "draft" / "model.safetensors"))
     assert "input_norm.weight" in weights31 and "fc_norm.2.weight" in weights31
+    assert config31["transformer_layer_config"]["num_hidden_layers"] == 2  # a second layer
+    assert weights31["layers.1.self_attn.q_proj.weight"].shape[1] == config31["target_hidden_size"]
 
     # the same shape, untrained: the draft as training starts it, written the same way
     io, p = cli.parse("train", inputs.args(tmp_path / "train", **settings))

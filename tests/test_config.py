@@ -75,6 +75,22 @@ def test_schema_documents_every_parameter():
             r"train\.fc_norm with train\.draft_attention mla.*set train\.fc_norm: false",
         ),
         ({"train": {"loss": "ce"}}, r"'train\.loss' = 'ce'.*'kl', 'tv', 'lk_alpha' or 'lk_hybrid'"),
+        (
+            {"train": {"draft_attention": "mla", "num_draft_layers": 2}},
+            r"train\.num_draft_layers above 1 with train\.draft_attention mla.*num_draft_layers: 1",
+        ),
+        (
+            {"train": {"num_draft_layers": 9}},
+            r"'train\.num_draft_layers' = 9.*less than or equal to 8",
+        ),
+        (
+            {"train": {"ttt_positions": "accepted"}},
+            r"'train\.ttt_positions' = 'accepted'.*'all' or 'accepted_chain'",
+        ),
+        (
+            {"train": {"topk_loss_weight": -1}},
+            r"'train\.topk_loss_weight' = -1.*greater than or equal to 0",
+        ),
     ],
 )
 def test_bad_config_names_key_and_fix(raw, expected):

@@ -88,10 +88,20 @@ def with_config(work: Path, config: dict, **changes) -> dict:
     return new
 
 
-def test_training_change_reruns_training_only(mechanics_build):
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"epochs": 3},
+        {"num_draft_layers": 2},
+        {"topk_loss_weight": 1.0, "topk_loss_k": 5},
+        {"ttt_positions": "accepted_chain"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_training_change_reruns_training_only(mechanics_build, change):
     work, config = mechanics_build
     try:
-        new = with_config(work, config, train={"epochs": 3})
+        new = with_config(work, config, train=change)
         assert planned_in_process(work, "evaluate", new) == {
             "train": 1,
             "evaluate_draft": 1,

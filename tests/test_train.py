@@ -35,7 +35,13 @@ from workflow_scripts.lib.draft.checkpoint import (
     write_draft_checkpoint,
 )
 from workflow_scripts.lib.draft.layer_config import llama_layer_config
-from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft, Rotary, TeacherHead
+from workflow_scripts.lib.draft.model import (
+    DraftConfig,
+    Eagle3Draft,
+    Objective,
+    Rotary,
+    TeacherHead,
+)
 from workflow_scripts.lib.training import trainer
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.stages import train
@@ -120,11 +126,12 @@ def rotate(x, cos, sin):
 
 @torch.no_grad()
 def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
-    """The draft run as vLLM runs it, one token at a time with a KV cache: the prefix fed with
-    the verifier's features at positions 0..t, then draft token k at position t+k from the
-    draft's own previous output, attending to the prefix and the tokens drafted before it.
+    """The draft run as vLLM runs it, one token at a time with a KV cache per layer: the prefix
+    fed with the verifier's features at positions 0..t, then draft token k at position t+k from
+    the draft's own previous output, attending to the prefix and the tokens drafted before it;
+    layers after the first take the stream of the layer before (``llama_eagle3.py``).
     Returns {(k, t): r}."""
-    layer, attn = model.layers[0], model.layers[0].self_attn
+    attn = model.layers[0].self_attn
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.head_dim
     n = ids.numel() - 1
     features = aux[:n].flatten(1)
@@ -142,54 +149,77 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
     def token(t):
         return ids[t] if t < ids.numel() else torch.tensor(0)
 
-    def qkv(tok, g, pos):
-        normed = layer.hidden_norm(g)
-        residual = normed if layer.norm_before_residual else g
-        x = torch.cat([layer.input_layernorm(model.embed_tokens(tok)), normed])
+    def qkv(layer, tok, g, pos):
+        if layer is model.layers[0]:
+            normed = layer.hidden_norm(g)
+            residual = normed if layer.norm_before_residual else g
+            x = torch.cat([layer.input_layernorm(model.embed_tokens(tok)), normed])
+        else:
+            residual, x = g, layer.input_layernorm(g)
         cos, sin = model.rotary(torch.tensor([pos]))
-        q = rotate(attn.q_proj(x).view(nh, hd), cos, sin)
-        k = rotate(attn.k_proj(x).view(nkv, hd), cos, sin)
-        return q, k, attn.v_proj(x).view(nkv, hd), residual
+        a = layer.self_attn
+        q = rotate(a.q_proj(x).view(nh, hd), cos, sin)
+        k = rotate(a.k_proj(x).view(nkv, hd), cos, sin)
+        return q, k, a.v_proj(x).view(nkv, hd), residual
 
-    def attend(q, keys, values, residual):
+    def attend(layer, q, keys, values, residual):
         heads = []
         for h in range(nh):
             kv = h // (nh // nkv)
             w = torch.softmax(keys[:, kv] @ q[h] / math.sqrt(hd), dim=0)
             heads.append(w @ values[:, kv])
-        r = residual + attn.o_proj(torch.cat(heads))
+        r = residual + layer.self_attn.o_proj(torch.cat(heads))
         return r + layer.mlp(layer.post_attention_layernorm(r))
 
+    # the prefix, layer by layer: each layer's keys and values at every position, and its stream
+    streams, prefix = [features[t] for t in range(n)], []
+    for layer in model.layers:
+        rows = [qkv(layer, token(t + 1), streams[t], t) for t in range(n)]
+        K0, V0 = torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows])
+        streams = [
+            attend(layer, rows[t][0], K0[: t + 1], V0[: t + 1], rows[t][3]) for t in range(n)
+        ]
+        prefix.append((K0, V0))
     out = {}
-    prefix = [qkv(token(t + 1), features[t], t) for t in range(n)]
-    K0 = torch.stack([p[1] for p in prefix])
-    V0 = torch.stack([p[2] for p in prefix])
     for t in range(n):
-        out[0, t] = attend(prefix[t][0], K0[: t + 1], V0[: t + 1], prefix[t][3])
-        keys, values, g = K0[: t + 1], V0[: t + 1], fed_back(out[0, t])
+        out[0, t] = streams[t]
+        cache = [(K0[: t + 1], V0[: t + 1]) for K0, V0 in prefix]
+        g = fed_back(out[0, t])
         for k in range(1, ttt_steps):
-            q, kk, vv, residual = qkv(token(t + 1 + k), g, t + k)
-            keys, values = torch.cat([keys, kk[None]]), torch.cat([values, vv[None]])
-            out[k, t] = attend(q, keys, values, residual)
-            g = fed_back(out[k, t])
+            r = g
+            for i, layer in enumerate(model.layers):
+                q, kk, vv, residual = qkv(layer, token(t + 1 + k), r, t + k)
+                keys = torch.cat([cache[i][0], kk[None]])
+                values = torch.cat([cache[i][1], vv[None]])
+                cache[i] = (keys, values)
+                r = attend(layer, q, keys, values, residual)
+            out[k, t] = r
+            g = fed_back(r)
     return out
 
 
 @pytest.mark.parametrize(
-    "norm_before_residual, norm_before_fc, norm_output, fc_norm",
+    "norm_before_residual, norm_before_fc, norm_output, fc_norm, num_layers",
     [
-        (True, False, False, False),
-        (False, False, False, False),
-        (True, True, False, False),
-        (True, False, True, False),
-        (True, False, False, True),
-        (True, True, True, True),
+        (True, False, False, False, 1),
+        (False, False, False, False, 1),
+        (True, True, False, False, 1),
+        (True, False, True, False, 1),
+        (True, False, False, True, 1),
+        (True, True, True, True, 1),
+        (True, False, False, False, 2),
+        (False, False, True, False, 3),
     ],
 )
 def test_ttt_unroll_equals_token_by_token_decoding(
-    norm_before_residual, norm_before_fc, norm_output, fc_norm
+    norm_before_residual, norm_before_fc, norm_output, fc_norm, num_layers
 ):
-    model = small_draft(norm_before_fc=norm_before_fc, norm_output=norm_output, fc_norm=fc_norm)
+    model = small_draft(
+        norm_before_fc=norm_before_fc,
+        norm_output=norm_output,
+        fc_norm=fc_norm,
+        num_layers=num_layers,
+    )
     model.cfg.norm_before_residual = norm_before_residual
     model.layers[0].norm_before_residual = norm_before_residual
     model.double()  # float64: any difference is a logic error, not rounding
@@ -249,10 +279,18 @@ def test_attention_linear_in_the_steps_equals_the_dense_reference(steps, kv_head
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
-def test_draft_loss_and_gradients_equal_with_the_dense_attention():
+@pytest.mark.parametrize(
+    "num_layers, objective",
+    [
+        (1, Objective()),
+        (2, Objective(topk_weight=0.5, topk=4, chain=True)),
+    ],
+)
+def test_draft_loss_and_gradients_equal_with_the_dense_attention(num_layers, objective):
     """The whole training step's loss and every gradient, float64, several right-padded rows of
-    different lengths in one micro-batch, 7 TTT steps: linear attention == dense reference."""
-    model = small_draft(kv_heads=2).double().train()
+    different lengths in one micro-batch, 7 TTT steps: linear attention == dense reference (also
+    with two layers, the top-K term and the accepted chain)."""
+    model = small_draft(kv_heads=2, num_layers=num_layers).double().train()
     torch.manual_seed(3)
     B, L, steps = 3, 23, 7
     aux = torch.randn(B, L, 3, 32, dtype=torch.float64)
@@ -264,9 +302,10 @@ def test_draft_loss_and_gradients_equal_with_the_dense_attention():
     teacher = TeacherHead(torch.rand(32) + 0.5, torch.randn(20, 32), 1e-6).double()
     results = []
     for dense in (False, True):
-        model.layers[0].self_attn.dense = dense
+        for layer in model.layers:
+            layer.self_attn.dense = dense
         model.zero_grad()
-        loss, stats = model(aux, final, ids, mask, teacher, steps)
+        loss, stats = model(aux, final, ids, mask, teacher, steps, objective=objective)
         loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
         results.append((loss.detach(), stats, grads))
@@ -406,6 +445,16 @@ def test_checkpoint_format(tmp_path):
     assert torch.equal(tensors["d2t"], d2t) and torch.equal(tensors["t2d"], t2d)
     # the verifier's embedding, as trained with: vLLM needs it under pipeline parallelism
     assert torch.equal(tensors["embed_tokens.weight"], model.embed_tokens.weight)
+    # a second layer: on the stream (q/k/v take H), its unused hidden_norm at ones as vLLM builds it
+    two = Eagle3Draft(DraftConfig.from_layer_config(layer, draft_vocab_size=20, num_layers=2))
+    cfg2 = {**cfg, "transformer_layer_config": two.cfg.layer_config}
+    write_draft_checkpoint(tmp_path / "draft2", two.checkpoint_state_dict(), cfg2, d2t, t2d)
+    config, tensors = read_draft_checkpoint(tmp_path / "draft2")
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (32, 64)
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (32, 32)
+    assert torch.equal(tensors["layers.1.hidden_norm.weight"], torch.ones(32))
+    assert not two.layers[1].hidden_norm.weight.requires_grad
     with pytest.raises(ValueError, match="lack embed_tokens.weight"):
         write_draft_checkpoint(tmp_path / "bad", model.trainable_state_dict(), cfg, d2t, t2d)
     with pytest.raises(ValueError, match="ascending"):
@@ -597,6 +646,56 @@ def test_the_losses_are_what_they_say():
         "lk_hybrid", torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
     )
     assert far.item() == pytest.approx(2.0)
+
+
+def test_the_top_k_term_is_the_cross_entropy_over_the_teachers_head():
+    """topk_weight w, K: each position adds w x -sum over the teacher's K most likely tokens of
+    p log q; with K the whole draft vocabulary that is the cross-entropy H(p) + KL."""
+    model = small_draft().double()
+    torch.manual_seed(4)
+    teacher = TeacherHead(torch.rand(32) + 0.5, torch.randn(20, 32), 1e-6).double()
+    draft, final = torch.randn(6, 32, dtype=torch.float64), torch.randn(6, 32, dtype=torch.float64)
+    kl, plain, _, _ = model.chunk_loss(draft, final, teacher)
+    p = teacher.log_probs(final).exp()
+    q = torch.log_softmax(model.lm_head(model.norm(draft)).float(), -1)
+    _, whole, _, _ = model.chunk_loss(draft, final, teacher, Objective(topk_weight=0.5, topk=20))
+    entropy = -(p * p.log()).sum()
+    torch.testing.assert_close(whole, plain + 0.5 * (entropy + kl))
+    _, top1, _, _ = model.chunk_loss(draft, final, teacher, Objective(topk_weight=2.0, topk=1))
+    best = p.argmax(-1, keepdim=True)
+    expected = plain - 2.0 * (p.gather(-1, best) * q.gather(-1, best)).sum()
+    torch.testing.assert_close(top1, expected)
+
+
+def test_the_accepted_chain_trains_no_step_past_a_rejected_token():
+    """ttt_positions accepted_chain: a draft whose every first token is rejected (its lm_head all
+    zeros proposes draft token 0, whose verifier row is zeros: below the 49 random others) trains
+    step 0 only, with the
+    same loss as a one-step unroll; every step's denominator stays, and the statistics count
+    every position as before."""
+    model = small_draft().double()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # uniform: the argmax is draft token 0
+    torch.manual_seed(5)
+    B, L = 2, 17
+    aux = torch.randn(B, L, 3, 32, dtype=torch.float64)
+    final = torch.randn(B, L, 32, dtype=torch.float64)
+    ids = torch.randint(0, 50, (B, L))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    head = torch.randn(50, 32, dtype=torch.float64)
+    d2t = torch.arange(20) * 2  # draft token i is verifier token 2i
+    head[0] = 0  # logit 0: never the verifier's argmax
+    teacher = TeacherHead(torch.ones(32, dtype=torch.float64), head[d2t], 1e-6, head, d2t).double()
+    denominators = [float(B * (L - 2 - k)) for k in range(3)]
+    chain = Objective(chain=True)
+    loss, stats = model(aux, final, ids, mask, teacher, 3, 1.0, denominators, chain)
+    first, _ = model(aux, final, ids, mask, teacher, 1, 1.0, denominators[:1])
+    every, every_stats = model(aux, final, ids, mask, teacher, 3, 1.0, denominators)
+    assert stats["served"][0] == 0 and stats["accepted"].sum() == 0
+    torch.testing.assert_close(loss, first)
+    assert every > loss
+    for key in ("kl", "count", "correct", "served"):
+        torch.testing.assert_close(stats[key], every_stats[key])
 
 
 def test_the_learning_rate_schedules():

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model and its training-time-test (TTT) loss, laid out as vLLM serves it.
 
-The draft is one Llama decoder layer that reads the verifier's features (names as in the
+The draft is a Llama decoder layer that reads the verifier's features (names as in the
 checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
 
     g      = fc(fc_norm(input_norm(concat(aux_1, ..., aux_m))))  # step 0: the features, [H]
@@ -8,20 +8,29 @@ checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers
     r      = hidden_norm(g) if norm_before_residual else g
     r      = r + self_attn(x)                              # q/k/v project 2H, RoPE
     r      = r + mlp(post_attention_layernorm(r))
+    r      = r + self_attn_i(input_layernorm_i(r)); r = r + mlp_i(...)   # layers 1.. (optional)
     logits = lm_head(norm(r))                              # [K]
     g      = norm(r) if norm_output else r                 # fed back at the next step
+
+With ``train.num_draft_layers`` above 1, the layers after the first are plain pre-norm Llama
+layers on the residual stream r (q/k/v project H), each with its own keys, as vLLM's
+``llama_eagle3.py`` serves ``layers.1..``.
 
 input_norm (an RMSNorm over the m x H features) exists with ``norm_before_fc`` only, fc_norm (an
 RMSNorm on each auxiliary state, m of them) with ``fc_norm`` only; those and ``norm_output`` are
 EAGLE-3.1's options (speculators' and vLLM's readings of it), config keys of the checkpoint that
 vLLM reads and applies in this order.
 
-The loss of each counted position compares the teacher's distribution p with the draft's q over
+The loss of each trained position compares the teacher's distribution p with the draft's q over
 the draft vocabulary (``train.loss``): the forward KL(p || q); the total variation 1 - alpha,
 where alpha = sum_v min(p_v, q_v) is the acceptance rate of speculative sampling; -log alpha
 (``lk_alpha``); or the LK hybrid lambda KL + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha)
 with alpha held constant in lambda (``lk_hybrid``; the LK losses SpecForge trains with: KL's
-gradient while the draft is far off, acceptance's once it is close).
+gradient while the draft is far off, acceptance's once it is close). ``Objective`` holds these
+and two options on top: a top-K term (``topk_weight``: w x the cross-entropy over the teacher's K
+most likely tokens, HASS's harmonized distillation) and the accepted chain (``chain``: at TTT
+step k only the positions whose draft tokens of steps 0..k-1 all were the verifier's argmax, the
+chain vLLM still extends under greedy decoding, as GRIFFIN's token alignment trains).
 
 Alignment. A sample is tokens x_0..x_{T-1} with the verifier's states at every position. Draft
 index t (0 <= t < T-1) at TTT step k:
@@ -70,6 +79,7 @@ class DraftConfig:
     norm_output: bool = False
     fc_norm: bool = False
     attention: str = "llama"  # or "mla": the verifier's multi-head latent attention (mla.py)
+    num_layers: int = 1  # decoder layers; the first reads the embedding and the features
     layer_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -82,6 +92,7 @@ class DraftConfig:
         norm_output: bool = False,
         attention: str = "llama",
         fc_norm: bool = False,
+        num_layers: int = 1,
     ) -> "DraftConfig":
         c = layer_config
         return cls(
@@ -98,19 +109,21 @@ class DraftConfig:
             norm_output=norm_output,
             fc_norm=fc_norm,
             attention=attention,
-            layer_config=dict(layer_config),
+            num_layers=num_layers,
+            layer_config={**layer_config, "num_hidden_layers": num_layers},
         )
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, first: bool = True):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        width = 2 * cfg.hidden_size  # the embedding and the features, side by side
+        # the first layer: the embedding and the features, side by side; later ones: the stream
+        width = 2 * cfg.hidden_size if first else cfg.hidden_size
         self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
@@ -143,11 +156,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, first: bool = True):
         super().__init__()
+        self.first = first
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not first:  # vLLM builds it in every layer and reads it only in the first: kept at 1
+            self.hidden_norm.weight.requires_grad_(False)
         if cfg.attention == "mla":
             from workflow_scripts.lib.draft.mla import MLAAttention, MLARotary
 
@@ -156,15 +172,19 @@ class DecoderLayer(nn.Module):
             )
             self.self_attn = MLAAttention(cfg, cfg.layer_config, rope.attention_mscale)
         else:
-            self.self_attn = Attention(cfg)
+            self.self_attn = Attention(cfg, first)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, embeds, g, cos, sin, cache):
-        """embeds, g: [B, n, H] -> the layer's output r [B, n, H] (before the final norm)."""
-        normed = self.hidden_norm(g)
-        residual = normed if self.norm_before_residual else g
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        """The first layer: embeds, g [B, n, H] -> its output r [B, n, H] (before the final
+        norm); a later layer: g is the stream r of the layer before (embeds unused)."""
+        if self.first:
+            normed = self.hidden_norm(g)
+            residual = normed if self.norm_before_residual else g
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        else:
+            residual, x = g, self.input_layernorm(g)
         r = residual + self.self_attn(x, cos, sin, cache)
         return r + self.mlp(self.post_attention_layernorm(r))
 
@@ -176,6 +196,29 @@ class DecoderLayer(nn.Module):
 # vocabulary ("served": what vLLM accepts under greedy decoding); anchors whose draft tokens up to
 # this step were all accepted ("accepted": vLLM's chain); and the anchors (step-0 positions)
 STAT_KEYS = ("kl", "correct", "count", "served", "accepted", "anchors")
+
+OBJECTIVES = ("kl", "tv", "lk_alpha", "lk_hybrid")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a trained position adds to the loss (``train.loss`` and the options on top of it):
+
+    * ``name``: the per-position objective against the teacher (``objective_value``), with
+      ``lk_eta`` for lk_hybrid;
+    * ``topk_weight`` w and ``topk`` K: plus w x the cross-entropy of the draft over the
+      teacher's K most likely tokens, -sum_{v in top-K(p)} p_v log q_v (HASS's top-K
+      distillation: the head of the distribution, where the tokens served are, counts more);
+    * ``chain``: at TTT step k > 0 only the positions whose draft tokens of steps 0..k-1 were all
+      the verifier's argmax (GRIFFIN's token alignment: vLLM's greedy chain never reaches a
+      later step past a rejected token, so those positions train nothing it serves).
+    """
+
+    name: str = "kl"
+    lk_eta: float = 3.0
+    topk_weight: float = 0.0
+    topk: int = 10
+    chain: bool = False
 
 
 class Eagle3Draft(nn.Module):
@@ -195,7 +238,7 @@ class Eagle3Draft(nn.Module):
                 [RMSNorm(H, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers)]
             )
         self.fc = nn.Linear(cfg.num_aux_layers * H, H, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i == 0) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         if cfg.attention == "mla":
@@ -240,12 +283,14 @@ class Eagle3Draft(nn.Module):
             features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         g = self.fc(features)
         positions = torch.arange(n, device=input_ids.device)
-        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
         outputs = []
         for k in range(ttt_steps):
             embeds = self.embed_tokens(shift_left(input_ids, 1 + k, n))  # x_{t+1+k}
             cos, sin = self.rotary(positions + k)
-            r = self.layers[0](embeds.to(g.dtype), g, cos, sin, cache)
+            r = g
+            for layer, cache in zip(self.layers, caches):
+                r = layer(embeds.to(g.dtype), r, cos, sin, cache)
             outputs.append(r)
             g = self.norm(r) if self.cfg.norm_output else r
         return outputs
@@ -260,14 +305,15 @@ class Eagle3Draft(nn.Module):
         ttt_steps: int,
         step_loss_decay: float = 1.0,
         denominators: list[float] | None = None,
-        objective: str = "kl",
-        lk_eta: float = 3.0,
+        objective: Objective = Objective(),
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The TTT loss: sum over steps k of decay**k * (sum of the step's ``objective``: kl, tv,
-        lk_alpha or lk_hybrid, see the module's docstring) divided by
-        ``denominators[k]`` (the number of counted positions of step k in the whole global batch,
-        so that any split of a batch over micro-batches and processes gives the same gradient;
-        by default this micro-batch's own count).
+        lk_alpha or lk_hybrid, plus its top-K term, over the positions it trains: see
+        ``Objective``) divided by ``denominators[k]`` (the number of counted positions of step k
+        in the whole global batch, so that any split of a batch over micro-batches and processes
+        gives the same gradient; by default this micro-batch's own count). With
+        ``objective.chain`` a position whose chain broke before step k adds nothing at step k
+        (the denominator stays: step k's weight is the share of chains that reach it).
 
         Returns the loss and summed statistics per step (``STAT_KEYS``, each [S]). ``accepted``
         follows vLLM's greedy acceptance: an anchor (a position counted at step 0) has its draft
@@ -290,11 +336,13 @@ class Eagle3Draft(nn.Module):
             b, t = counted.nonzero(as_tuple=True)
             served = torch.zeros_like(counted)
             kl_sum, objective_sum, correct = loss.new_zeros(()), loss.new_zeros(()), 0
+            trained = alive if objective.chain and k > 0 else None  # the chains that hold
             for i in range(0, len(b), rows):  # [rows, K] logits at a time, recomputed backward
                 bb, tt = b[i : i + rows], t[i : i + rows]
+                weight = None if trained is None else trained[bb, tt]
                 kl, value, right, top1 = checkpoint(
                     self.chunk_loss, r[bb, tt], final_hidden[bb, tt + 1 + k], teacher,
-                    objective, lk_eta, use_reentrant=False,
+                    objective, weight, use_reentrant=False,
                 )  # fmt: skip
                 kl_sum, correct = kl_sum + kl.detach(), correct + int(right)
                 objective_sum = objective_sum + value
@@ -321,26 +369,36 @@ class Eagle3Draft(nn.Module):
         return top1
 
     def chunk_loss(
-        self, draft_states, teacher_states, teacher: TeacherHead, objective="kl", lk_eta=3.0
+        self,
+        draft_states,
+        teacher_states,
+        teacher: TeacherHead,
+        objective: Objective = Objective(),
+        weight: torch.Tensor | None = None,
     ):
         """Over a chunk of positions, summed: the forward KL(teacher || draft), the ``objective``
-        (the KL itself, or tv, lk_alpha, lk_hybrid); the number of top-1 agreements inside the
-        draft vocabulary, and the draft's top-1 (draft ids). draft_states [c, H] (the layer's
-        output r), teacher_states [c, H] (the verifier's final states where the predicted
-        tokens sit)."""
+        (the KL itself, or tv, lk_alpha, lk_hybrid, with its top-K term; each position times
+        ``weight`` [c] where given); the number of top-1 agreements inside the draft vocabulary,
+        and the draft's top-1 (draft ids). draft_states [c, H] (the layer's output r),
+        teacher_states [c, H] (the verifier's final states where the predicted tokens sit)."""
         target = teacher.log_probs(teacher_states)
         draft_lp = F.log_softmax(self.lm_head(self.norm(draft_states)).float(), dim=-1)
         p = target.exp()
         kl = (p * (target - draft_lp)).sum(-1)
-        q = None if objective == "kl" else draft_lp.exp()  # the KL needs no q of its own
-        value = objective_value(objective, kl, p, q, lk_eta)
+        q = None if objective.name == "kl" else draft_lp.exp()  # the KL needs no q of its own
+        value = objective_value(objective.name, kl, p, q, objective.lk_eta)
+        if objective.topk_weight > 0:
+            top = p.topk(min(objective.topk, p.shape[-1]), dim=-1).indices
+            head = (p.gather(-1, top) * draft_lp.gather(-1, top)).sum(-1)
+            value = value - objective.topk_weight * head
+        if weight is not None:
+            value = value * weight.to(value.dtype)
         with torch.no_grad():
             top1 = draft_lp.argmax(-1)
             right = (top1 == target.argmax(-1)).sum()
         return kl.sum(), value.sum(), right, top1
 
 
-OBJECTIVES = ("kl", "tv", "lk_alpha", "lk_hybrid")
 LK_ALPHA_FLOOR = 1e-6  # -log alpha where the distributions barely overlap
 
 

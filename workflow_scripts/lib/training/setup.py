@@ -152,6 +152,7 @@ def build_draft(
         norm_output=p.norm_output,
         attention=p.draft_attention,
         fc_norm=p.fc_norm,
+        num_layers=p.num_draft_layers,
     )
     embed = verifier_files.read_tensor(inputs.tensors["embed"])
     norm = verifier_files.read_tensor(inputs.tensors["norm"]).float()

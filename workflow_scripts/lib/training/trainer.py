@@ -30,6 +30,7 @@ import torch.distributed as dist
 from workflow_scripts.lib.common import UserError, atomic_path, format_seconds
 from workflow_scripts.lib.draft.model import (
     STAT_KEYS,
+    Objective,
     param_count,
 )
 from workflow_scripts.lib.hidden_states import shards
@@ -122,6 +123,9 @@ class Trainer:
         )
         self.step = 0
         self.serve_k = min(p.num_speculative_tokens, p.ttt_steps)
+        self.objective = Objective(
+            p.loss, p.lk_eta, p.topk_loss_weight, p.topk_loss_k, p.ttt_positions == "accepted_chain"
+        )
         self.best: dict[str, Any] | None = None  # step, score and summary of the best validation
         if d.main:
             log.info(
@@ -293,8 +297,7 @@ class Trainer:
                         S,
                         p.ttt_step_loss_decay,
                         denominators,
-                        p.loss,
-                        p.lk_eta,
+                        self.objective,
                     )
                 # DDP averages gradients over processes; the loss is already a global mean
                 (loss * self.d.world).backward()

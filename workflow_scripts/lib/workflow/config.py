@@ -80,7 +80,8 @@ DOCS = {
         for key in (
             "loss", "lk_eta", "optimizer", "muon_*", "lr_schedule", "min_lr_ratio", "fc_norm",
             "norm_before_fc", "norm_output", "freeze_lm_head", "final_norm_init", "aux_noise",
-            "loss_positions", "ttt_step_loss_decay",
+            "loss_positions", "ttt_step_loss_decay", "topk_loss_*", "ttt_positions",
+            "num_draft_layers",
         )
     },  # fmt: skip
     "train.draft_attention": "docs/verifier-families.md#mla-drafts-deepseek-kimi",

@@ -24,6 +24,12 @@ class TrainParams(StageParams):
                 "has no norm over the concatenated auxiliary states; set train.norm_before_fc: "
                 "false"
             )
+        if self.draft_attention == "mla" and self.num_draft_layers > 1:
+            raise ValueError(
+                "train.num_draft_layers above 1 with train.draft_attention mla: vLLM's MLA "
+                "EAGLE-3 draft has one layer; set train.num_draft_layers: 1 or "
+                "train.draft_attention: llama"
+            )
         if self.draft_attention == "mla" and self.fc_norm:
             raise ValueError(
                 "train.fc_norm with train.draft_attention mla: the per-layer fc norms are written "
@@ -86,6 +92,30 @@ class TrainParams(StageParams):
     )
     lk_eta: float = Field(
         3.0, gt=0, description="lk_hybrid: how soon the loss moves from KL to tv as alpha grows."
+    )
+    topk_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Weight w of a top-K term added to each position's loss: w x the draft's "
+        "cross-entropy over the teacher's topk_loss_k most likely tokens (HASS's top-K "
+        "distillation; 0: none).",
+    )
+    topk_loss_k: int = Field(10, ge=1, description="topk_loss_weight: the K of the top-K term.")
+    ttt_positions: Literal["all", "accepted_chain"] = Field(
+        "all",
+        description="Positions trained at TTT steps after the first: every counted one, or "
+        "accepted_chain, only those whose draft tokens of the steps before were all the "
+        "verifier's argmax, the chain vLLM still extends under greedy decoding (GRIFFIN's token "
+        "alignment; step k then weighs as the share of chains that reach it). Validation "
+        "counts all.",
+    )
+    num_draft_layers: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Decoder layers of the draft: the first reads the embedding and the "
+        "verifier's features, the others the stream (vLLM serves layers.1.. of EAGLE-3 Llama "
+        "drafts). Each layer adds its cost to every draft step when serving.",
     )
     freeze_lm_head: bool = Field(
         False,
