@@ -19,7 +19,6 @@ import logging
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -30,13 +29,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_quality import VARIANTS  # noqa: E402
+from bench_train import scratch_io, timed  # noqa: E402
 
 from workflow_scripts.lib.training.data import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
-from workflow_scripts.lib.workflow.registry import TrainIO  # noqa: E402
 
 
 def train_only(name: str) -> bool:
@@ -74,14 +73,11 @@ def main(argv=None) -> int:
     trainers, steps = {}, None
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            io = TrainIO(
-                manifest=results / "extract" / "manifest.json",
-                engine_cmd="",
-                vocab_map=results / "vocab" / "vocab_map.safetensors",
-                verifier=results / "demo" / "verifier",
-                state_dir=Path(tmp) / name / "state",
-                draft=Path(tmp) / name / "draft",
-                metrics=Path(tmp) / name / "metrics.jsonl",
+            io = scratch_io(
+                results / "extract" / "manifest.json",
+                results / "vocab" / "vocab_map.safetensors",
+                results / "demo" / "verifier",
+                Path(tmp) / name,
             )
             p = TrainParams(**{**base, **VARIANTS[name][1].get("train", {})})
             trainers[name] = trainer = Trainer(io, p, check_inputs(io, p), setup_processes(p))
@@ -98,10 +94,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             chunk = steps[block * (r + 1) : block * (r + 2)]
             for name in names if r % 2 == 0 else names[::-1]:
-                start = time.perf_counter()
-                for data in chunk:
-                    trainers[name].train_step(data)
-                times[name].append((time.perf_counter() - start) / block * 1000)
+                _, seconds = timed(trainers[name], chunk)
+                times[name].append(seconds / block * 1000)
             print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.0f}" for n in names))
     best = {n: min(t) for n, t in times.items()}
     median = {n: statistics.median(t) for n, t in times.items()}

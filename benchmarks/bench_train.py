@@ -117,6 +117,19 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
     return extract / "manifest.json", vocab_map, verifier
 
 
+def scratch_io(manifest: Path, vocab_map: Path, verifier: Path, root: Path) -> TrainIO:
+    """Training's inputs, with its state, draft and metrics written under ``root`` (scratch)."""
+    return TrainIO(
+        manifest=manifest,
+        engine_cmd="",
+        vocab_map=vocab_map,
+        verifier=verifier,
+        state_dir=root / "state",
+        draft=root / "draft",
+        metrics=root / "metrics.jsonl",
+    )
+
+
 def timed(trainer: Trainer, steps) -> tuple[int, float]:
     """Train on the StepData of ``steps`` (an iterable); tokens and seconds."""
     tokens, start = 0, time.perf_counter()
@@ -157,15 +170,7 @@ def main(argv=None) -> int:
         else:
             manifest, vocab_map, verifier = args.manifest, args.vocab_map, args.verifier
             print(f"inputs: {manifest}", flush=True)
-        io = TrainIO(
-            manifest=manifest,
-            engine_cmd="",
-            vocab_map=vocab_map,
-            verifier=verifier,
-            state_dir=tmp / "state",
-            draft=tmp / "draft",
-            metrics=tmp / "metrics.jsonl",
-        )
+        io = scratch_io(manifest, vocab_map, verifier, tmp)
         p = TrainParams(
             micro_batch_budget_tokens=args.micro_batch_budget_tokens,
             ttt_steps=args.ttt_steps,
