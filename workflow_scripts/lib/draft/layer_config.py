@@ -1,9 +1,9 @@
 """The draft's decoder layer, stated from the verifier's config rather than copied from it.
 
-The draft is one Llama decoder layer (``transformer_layer_config`` in its checkpoint, what vLLM
-builds it from). From the verifier it takes its width (hidden size, MLP width, attention heads
-and key/value heads), its norm epsilon, vocabulary and positions; the rest is chosen here and
-written explicitly:
+The draft's decoder layer (``transformer_layer_config`` in its checkpoint, what vLLM builds it
+from; ``num_hidden_layers`` of them, ``train.num_draft_layers``). From the verifier it takes its
+width (hidden size, MLP width, attention heads and key/value heads), its norm epsilon,
+vocabulary and positions; the rest is chosen here and written explicitly:
 
 * ``head_dim``: the verifier's where its config has one, else hidden_size / num_attention_heads;
   for MLA verifiers (DeepSeek-V3, Kimi-K2) always the latter: their queries and keys are
