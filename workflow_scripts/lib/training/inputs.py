@@ -270,15 +270,12 @@ def check_inputs(
             f"train.num_gpus is {p.num_gpus} but {torch.cuda.device_count()} GPU(s) are visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
         )
-    if p.draft_attention == "mla":
-        from workflow_scripts.lib.draft.mla import is_mla
-
-        if not is_mla(vcfg):
-            raise UserError(
-                f"train.draft_attention is mla, but the verifier {io.verifier} has no multi-head "
-                "latent attention (no kv_lora_rank and qk_rope_head_dim in its config): an MLA "
-                "draft takes the verifier's MLA shape; set train.draft_attention: llama"
-            )
+    if p.draft_attention == "mla" and not verifier_files.uses_mla(vcfg):
+        raise UserError(
+            f"train.draft_attention is mla, but the verifier {io.verifier} has no multi-head "
+            "latent attention (no kv_lora_rank and qk_rope_head_dim in its config): an MLA "
+            "draft takes the verifier's MLA shape; set train.draft_attention: llama"
+        )
     if p.ttt_steps < p.num_speculative_tokens:
         log.warning(
             "train.ttt_steps (%d) is below num_speculative_tokens (%d): the later draft tokens "

@@ -112,10 +112,23 @@ def engine_args(settings, verifier: Path | str, dtype: str, seed: int = 0, **ext
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     if verifier_files.is_multimodal_wrapper(verifier):
         kwargs["language_model_only"] = True  # no vision or audio tower: every stage is text
+    if cpu_mla_backend(settings, verifier, dtype):
+        kwargs["attention_backend"] = "CPU_MLA"
     template = getattr(settings, "chat_template", None)  # stages that load the tokenizer
     if template is not None and template.trust_remote_code:
         kwargs["trust_remote_code"] = True
     return {**kwargs, **extra}
+
+
+def cpu_mla_backend(settings, verifier: Path | str, dtype: str) -> bool:
+    """An MLA verifier on the CPU in float32 needs vLLM's reference MLA backend, named: where the
+    CPU has AMX tiles vLLM picks its AMX MLA backend, which takes 16-bit weights only (start
+    fails: "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"). The reference
+    backend is what vLLM picks on every other CPU, so the choice is the same on all of them; a
+    draft served beside the verifier gets the same backend."""
+    if settings.use_gpus or dtype not in ("float32", "float"):
+        return False
+    return verifier_files.uses_mla(verifier_files.verifier_config(verifier))
 
 
 def cpu_threads() -> int:

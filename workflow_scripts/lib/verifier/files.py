@@ -58,6 +58,11 @@ def is_multimodal_wrapper(verifier_dir: Path | str) -> bool:
     return "text_config" in read_json(Path(verifier_dir) / CONFIG_FILE)
 
 
+def uses_mla(cfg: dict[str, Any]) -> bool:
+    """The verifier's attention is multi-head latent attention (DeepSeek-V3, Kimi-K2.5)."""
+    return bool(cfg.get("kv_lora_rank")) and bool(cfg.get("qk_rope_head_dim"))
+
+
 def own_dtype(cfg: dict[str, Any]) -> str | None:
     """The dtype the verifier's weights are stored in, as config.json names it."""
     value = cfg.get("torch_dtype") or cfg.get("dtype")

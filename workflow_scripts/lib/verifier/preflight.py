@@ -403,9 +403,7 @@ def check_workflow(
         attempt("evaluate", check_evaluate, cfg.evaluate, vcfg, False)
         if cfg.regenerate.enabled:
             attempt("regenerate", check_engine, cfg.regenerate, "regenerate", vcfg)
-        if cfg.train.draft_attention == "mla" and not (
-            vcfg.get("kv_lora_rank") and vcfg.get("qk_rope_head_dim")
-        ):
+        if cfg.train.draft_attention == "mla" and not verifier_files.uses_mla(vcfg):
             staged.setdefault("train", []).append(
                 "train.draft_attention is mla, but the verifier has no multi-head latent "
                 "attention (no kv_lora_rank and qk_rope_head_dim in its config); set "
@@ -413,7 +411,7 @@ def check_workflow(
             )
         if (
             cfg.train.draft_attention == "llama"
-            and vcfg.get("kv_lora_rank")
+            and verifier_files.uses_mla(vcfg)
             and not cfg.evaluate.use_gpus
         ):
             staged.setdefault("evaluate", []).append(
