@@ -286,11 +286,11 @@ class Eagle3Draft(nn.Module):
         caches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
         outputs = []
         for k in range(ttt_steps):
-            embeds = self.embed_tokens(shift_left(input_ids, 1 + k, n))  # x_{t+1+k}
+            embeds = self.embed_tokens(shift_left(input_ids, 1 + k, n)).to(g.dtype)  # x_{t+1+k}
             cos, sin = self.rotary(positions + k)
             r = g
             for layer, cache in zip(self.layers, caches):
-                r = layer(embeds.to(g.dtype), r, cos, sin, cache)
+                r = layer(embeds, r, cos, sin, cache)
             outputs.append(r)
             g = self.norm(r) if self.cfg.norm_output else r
         return outputs

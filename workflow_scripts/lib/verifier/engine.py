@@ -126,7 +126,7 @@ def cpu_mla_backend(settings, verifier: Path | str, dtype: str) -> bool:
     fails: "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"). The reference
     backend is what vLLM picks on every other CPU, so the choice is the same on all of them; a
     draft served beside the verifier gets the same backend."""
-    if settings.use_gpus or dtype not in ("float32", "float"):
+    if settings.use_gpus or dtype != "float32":
         return False
     return verifier_files.uses_mla(verifier_files.verifier_config(verifier))
 
