@@ -670,9 +670,8 @@ def test_the_top_k_term_is_the_cross_entropy_over_the_teachers_head():
 def test_the_accepted_chain_trains_no_step_past_a_rejected_token():
     """ttt_positions accepted_chain: a draft whose every first token is rejected (its lm_head all
     zeros proposes draft token 0, whose verifier row is zeros: below the 49 random others) trains
-    step 0 only, with the
-    same loss as a one-step unroll; every step's denominator stays, and the statistics count
-    every position as before."""
+    step 0 only, with the same loss as a one-step unroll; every step's denominator stays, and the
+    statistics count every position as before."""
     model = small_draft().double()
     with torch.no_grad():
         model.lm_head.weight.zero_()  # uniform: the argmax is draft token 0
