@@ -7,10 +7,15 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, dry_run_in_process
 from workflow_scripts.lib.chat.dataset import tokenize_chat_file
@@ -22,6 +27,8 @@ from workflow_scripts.lib.data.layouts import chat_layout, chat_row
 from workflow_scripts.lib.data.mixture import mix, plan_counts
 from workflow_scripts.lib.data.resolve import humaneval_file
 from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets
+from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.definitions import DataParams
 from workflow_scripts.lib.workflow.sources import ChatSource, EvalPrompts, PromptSource
 
 ROWS = [
@@ -227,6 +234,73 @@ def test_local_sources_plan_the_data_stage_at_dry_run(tmp_path):
     }
     error, _ = dry_run_in_process(work, "vocab_map", missing)
     assert "config key 'chat_data[0].path'" in error and "does not exist" in error
+
+
+# --------------------------------------------------------------------------- files cut short
+
+
+def many_rows(n: int) -> list[dict]:
+    return [{**ROWS[i % len(ROWS)], "id": f"c{i}"} for i in range(n)]
+
+
+def cut(path: Path, keep: float | int) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    return path
+
+
+def damaged_files(directory: Path) -> dict[str, tuple[Path, str]]:
+    """Files that cannot be read whole, each with what the error must say."""
+    out = {}
+    for kind, keep in (("jsonl.zst", 0.7), ("jsonl.gz", 0.5), ("json", 0.6), ("parquet", 0.8)):
+        (directory / kind).mkdir()
+        path = cut(write_kind(directory / kind, kind, many_rows(6000)), keep)
+        out[f"{kind} cut"] = path, "cut short" if kind != "parquet" else "corrupt"
+    (directory / "fragment").mkdir()
+    out["zst fragment"] = cut(write_kind(directory / "fragment", "jsonl.zst", ROWS), 200), "cut short"
+    (directory / "flipped").mkdir()
+    flipped = write_kind(directory / "flipped", "jsonl.zst", many_rows(600))
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    flipped.write_bytes(bytes(data))
+    out["zst corrupt"] = flipped, "corrupt"
+    plain = directory / "plain.jsonl.gz"
+    plain.write_text(json.dumps(ROWS[0]) + "\n")
+    out["not gzip"] = plain, "not a gzip"
+    return out
+
+
+def test_files_cut_short_or_corrupt_are_refused_naming_them(tmp_path):
+    for case, (path, says) in damaged_files(tmp_path).items():
+        with pytest.raises(UserError, match=f"{re.escape(str(path))}: .*{says}"):
+            mixed([ChatSource(path=str(path))])
+        with pytest.raises(UserError, match=re.escape(str(path))):  # counted for a sample
+            mixed([ChatSource(path=str(path), rows=5)])
+        with pytest.raises(UserError, match=re.escape(str(path))):
+            load_prompt_sets([PromptSource(path=str(path))], None, None)
+
+
+def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
+    import zstandard
+
+    rows = many_rows(50)
+    frames = [zstandard.ZstdCompressor().compress(json.dumps(r).encode() + b"\n") for r in rows]
+    path = tmp_path / "frames.jsonl.zst"
+    path.write_bytes(b"".join(frames))
+    assert [r["id"] for r in mixed([ChatSource(path=str(path))])[0]] == [r["id"] for r in rows]
+
+
+def test_the_data_stage_stops_on_a_file_cut_short_without_a_traceback(tmp_path):
+    path = cut(write_kind(tmp_path, "jsonl.zst", many_rows(6000)), 0.7)
+    files = {"mixture": tmp_path / "out" / "chat_data.jsonl", "stats": tmp_path / "out" / "stats.json"}
+    params = DataParams(chat_data=[{"path": str(path)}])
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.stages.data", *shlex.split(cli.render("data", params, files))],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"{path}: the zstd (.zst) file is cut short" in proc.stderr
+    assert "Traceback" not in proc.stderr and not files["mixture"].exists()
 
 
 # --------------------------------------------------------------------------- evaluation sets

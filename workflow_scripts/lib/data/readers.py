@@ -2,7 +2,9 @@
 path source (the line of a JSON Lines file, the item of a JSON array, the row of a Parquet file or
 a saved dataset, counted from 1), ``owner/name/split:row`` for a hub dataset. A row that cannot be
 read (not UTF-8, not JSON) comes as a ``BadRow`` in its place, for the stage that reads it to
-count or report; nothing is dropped here.
+count or report; nothing is dropped here. A file that cannot be read whole (a compressed file or
+a Parquet file cut short, corrupt, or not the format its name says; a JSON array that does not
+close) is a ``UserError`` naming it, never read as shorter data.
 
 datasets, pyarrow and zstandard are imported only by the readers that need them.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import io
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,16 +23,90 @@ from workflow_scripts.lib.data.rows import BadRow, parse_line
 from workflow_scripts.lib.workflow.sources import Source
 
 PARQUET_BATCH_ROWS = 1024
+CHUNK_BYTES = 1 << 20
 
 
-def _jsonl_stream(path: Path, kind: str):
+def _cut_short(path: Path, kind: str) -> UserError:
+    return UserError(
+        f"{path}: the {kind} file is cut short (it ends inside its compressed data): the copy "
+        "or download did not finish. Copy it again whole"
+    )
+
+
+def _corrupt(path: Path, kind: str, exc: Exception) -> UserError:
+    return UserError(
+        f"{path}: corrupt, or not a {kind} file as its name says ({type(exc).__name__}: {exc}). "
+        "Copy it again whole, or rename it to what it is"
+    )
+
+
+def _zstd_chunks(path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of a .zst file of one frame or several; a last frame that does not
+    end (the file cut short) is an error, where zstandard's stream reader just stops."""
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    with open(path, "rb") as fh:
+        frame, fed = dctx.decompressobj(), False
+        while chunk := fh.read(CHUNK_BYTES):
+            while chunk:
+                fed = True
+                try:
+                    yield frame.decompress(chunk)
+                except zstandard.ZstdError as exc:
+                    raise _corrupt(path, "zstd (.zst)", exc) from None
+                if not frame.eof:
+                    break
+                chunk, frame, fed = frame.unused_data, dctx.decompressobj(), False
+    if fed and not frame.eof:
+        raise _cut_short(path, "zstd (.zst)")
+
+
+def _gzip_chunks(path: Path) -> Iterator[bytes]:
+    import zlib
+
+    with gzip.open(path, "rb") as fh:
+        while True:
+            try:
+                chunk = fh.read(CHUNK_BYTES)
+            except EOFError:
+                raise _cut_short(path, "gzip (.gz)") from None
+            except (OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+                raise _corrupt(path, "gzip (.gz)", exc) from None
+            if not chunk:
+                return
+            yield chunk
+
+
+def _jsonl_lines(path: Path, kind: str) -> Iterator[bytes]:
+    """The lines of a JSON Lines file, decompressed (.gz, .zst) where its name says so."""
     if kind == "jsonl.gz":
-        return gzip.open(path, "rb")
-    if kind == "jsonl.zst":
-        import zstandard
+        chunks = _gzip_chunks(path)
+    elif kind == "jsonl.zst":
+        chunks = _zstd_chunks(path)
+    else:
+        with open(path, "rb") as fh:
+            yield from fh
+        return
+    rest = b""
+    for chunk in chunks:
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+    if rest:
+        yield rest
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
-    return open(path, "rb")
+
+def _parquet(path: Path):
+    """The Parquet file at ``path``, its footer read; a file cut short (no footer) or not
+    Parquet is an error naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise _corrupt(path, "Parquet", exc) from None
 
 
 @functools.lru_cache(maxsize=1)  # counted, its columns read, then its rows: read once
@@ -39,7 +114,14 @@ def _json_array(path: Path) -> list[Any]:
     try:
         with open(path, "rb") as fh:
             value = json.load(fh)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a JSON array ({exc})") from None
+    except json.JSONDecodeError as exc:
+        if not exc.doc[exc.pos :].strip():
+            raise UserError(
+                f"{path}: the JSON array is cut short (the file ends before the array closes, "
+                f"{exc.msg.lower()}): the copy or download did not finish. Copy it again whole"
+            ) from None
         raise UserError(f"{path}: not a JSON array ({exc})") from None
     if not isinstance(value, list):
         raise UserError(
@@ -100,22 +182,27 @@ def file_rows(path: Path) -> Iterator[tuple[int, Any]]:
         for n, row in enumerate(_json_array(path), start=1):
             yield n, row
     elif kind == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow as pa
 
-        n = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        n, batches = 0, _parquet(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as exc:
+                raise _corrupt(path, "Parquet", exc) from None
+            if batch is None:
+                return
             for row in batch.to_pylist():
                 n += 1
                 yield n, row
     else:
-        with _jsonl_stream(path, kind) as fh:
-            for n, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield n, parse_line(line)
-                except BadRow as bad:
-                    yield n, bad
+        for n, line in enumerate(_jsonl_lines(path, kind), start=1):
+            if not line.strip():
+                continue
+            try:
+                yield n, parse_line(line)
+            except BadRow as bad:
+                yield n, bad
 
 
 def iter_rows(source: Source, files: list[Path]) -> Iterator[tuple[str, Any]]:
@@ -140,14 +227,11 @@ def count_rows(source: Source, files: list[Path]) -> int:
     for path in files:
         kind = file_kind(path)
         if kind == "parquet":
-            import pyarrow.parquet as pq
-
-            total += pq.ParquetFile(path).metadata.num_rows
+            total += _parquet(path).metadata.num_rows
         elif kind == "json":
             total += len(_json_array(path))
         else:
-            with _jsonl_stream(path, kind) as fh:
-                total += sum(1 for line in fh if line.strip())
+            total += sum(1 for line in _jsonl_lines(path, kind) if line.strip())
     return total
 
 
@@ -157,9 +241,7 @@ def columns(source: Source, files: list[Path]) -> list[str]:
     if table is not None:
         return list(table.column_names)
     if file_kind(files[0]) == "parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.ParquetFile(files[0]).schema_arrow.names)
+        return list(_parquet(files[0]).schema_arrow.names)
     for _, row in iter_rows(source, files):
         if isinstance(row, dict):
             return list(row)
