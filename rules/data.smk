@@ -14,7 +14,7 @@ rule data:
     benchmark:
         BENCHMARKS / "data.tsv"
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     params:
         config=stage_config("data"),
         cmd=stage_cmd("data"),

@@ -13,7 +13,7 @@ rule demo:
     benchmark:
         BENCHMARKS / "demo.tsv"
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     threads: workflow.cores
     params:
         config=stage_config("demo"),

@@ -26,7 +26,7 @@ rule evaluate_draft:
     benchmark:
         BENCHMARKS / "evaluate.tsv"
     conda:
-        "../envs/workflow.yaml"
+        conda_env(EVALUATE_GPUS)
     threads: workflow.cores
     resources:
         gpu=EVALUATE_GPUS,
@@ -45,7 +45,7 @@ rule resolved_config:
     log:
         LOGS / "resolved_config.log",
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     params:
         config=json.dumps(result_config(), sort_keys=True),
     run:

@@ -23,7 +23,7 @@ rule extract:
     wildcard_constraints:
         job_index=r"\d+",
     conda:
-        "../envs/workflow.yaml"
+        conda_env(EXTRACT_GPUS)
     threads: 4 if CFG.extract.use_gpus else workflow.cores
     resources:
         gpu=EXTRACT_GPUS,
@@ -50,7 +50,7 @@ checkpoint extract_merge:
     log:
         LOGS / "extract_merge.log",
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     params:
         cmd=stage_cmd("extract_merge"),
     shell:

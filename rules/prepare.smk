@@ -10,7 +10,7 @@ rule prepare:
     log:
         LOGS / "prepare.log",
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     threads: CFG.prepare.num_processes or workflow.cores
     params:
         config=stage_config("prepare"),

@@ -23,7 +23,7 @@ rule regenerate:
     wildcard_constraints:
         job_index=r"\d+",
     conda:
-        "../envs/workflow.yaml"
+        conda_env(REGENERATE_GPUS)
     threads: 4 if CFG.regenerate.use_gpus else workflow.cores
     resources:
         gpu=REGENERATE_GPUS,
@@ -51,7 +51,7 @@ checkpoint regenerate_merge:
     log:
         LOGS / "regenerate_merge.log",
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     params:
         cmd=stage_cmd("regenerate_merge", work_dir=REGENERATE_WORK),
     shell:

@@ -53,7 +53,7 @@ rule extract_plan:
     log:
         LOGS / "extract_plan.log",
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     params:
         config=stage_config("extract_plan"),
         cmd=stage_cmd("extract_plan", verifier=VERIFIER_DIR, shard_dir=STREAM_SHARDS),
@@ -68,7 +68,7 @@ rule train:
         vocab_map=rules.vocab.output.vocab_map,
         verifier_config=VERIFIER_CONFIG,
         engine=[rules.prepare.output.tokenized, *VERIFIER_WEIGHTS] if STREAMED else [],
-        code=stage_code("train") + (stage_code("extract_stream") if STREAMED else []),
+        code=[stage_code("train")] + ([stage_code("extract_stream")] if STREAMED else []),
     output:
         draft=directory(TRAIN / "draft"),
         metrics=TRAIN / "metrics.jsonl",
@@ -77,7 +77,7 @@ rule train:
     benchmark:
         BENCHMARKS / "train.tsv"
     conda:
-        "../envs/workflow.yaml"
+        conda_env(TRAIN_GPUS)
     threads: workflow.cores
     resources:
         **NODE_RESOURCES,

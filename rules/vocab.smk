@@ -10,7 +10,7 @@ rule vocab:
     log:
         LOGS / "vocab.log",
     conda:
-        "../envs/workflow.yaml"
+        conda_env()
     params:
         config=stage_config("vocab"),
         cmd=stage_cmd("vocab", verifier=VERIFIER_DIR),

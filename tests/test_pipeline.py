@@ -138,7 +138,7 @@ def test_training_code_change_reruns_training(mechanics_build):
     work, config = mechanics_build
     path = work / "workflow_scripts" / "lib" / "draft" / "model.py"
     original = path.read_text()
-    path.write_text(original + "\n# edited\n")
+    path.write_text(original + "\n_EDITED = True\n")
     try:
         assert planned_in_process(work, "draft_ckpt", config) == {"train": 1}
     finally:

@@ -6,11 +6,15 @@ the typed definitions and from the code itself, not from hand-written lists:
 * a job count (the one kind of execution setting that changes which job files exist), changed
   and run: the jobs load no model, and nothing after the merges is computed again;
 * every module of the code, edited: the dry-run plans exactly the stages whose entry script
-  imports it (directly or not) and what follows them.
+  imports it (directly or not) and what follows them; comments, docstrings and the texts of
+  settings, edited everywhere at once, plan nothing; a new train setting plans training only;
+* code changed and run (on a copy of the build): extraction computes every shard again and
+  training starts from step 0, to another draft, with nothing deleted by hand.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import types
 import typing
@@ -28,6 +32,7 @@ from tests.workflow_runner import (
 from workflow_scripts.lib.common import sha256_file
 from workflow_scripts.lib.workflow.code_inputs import closure, module_file
 from workflow_scripts.lib.workflow.config import ConfigError, load_config
+from workflow_scripts.lib.workflow.params_base import EngineSettings
 from workflow_scripts.lib.workflow.registry import STAGES
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
@@ -65,6 +70,8 @@ def downstream(work: Path) -> dict[str, set[str]]:
 def candidates(annotation, current) -> list:
     """Other values of a field's type, to be tried in turn (the config decides which are valid)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a type with its constraints: the config checks them
+        return candidates(args[0], current)
     if origin is typing.Literal:
         return [a for a in reversed(args) if a != current]
     if origin in (typing.Union, types.UnionType):
@@ -75,7 +82,7 @@ def candidates(annotation, current) -> list:
         return out
     if annotation is bool:
         return [not current]
-    if annotation is str:  # the one free-text setting: extract.disk_budget
+    if annotation is str:  # free text: extract.disk_budget, train.wandb_project, wandb_run_name
         return ["10GB"]
     if annotation is int:
         near = [] if current is None else [current + 1, current * 2, current - 1]
@@ -83,6 +90,8 @@ def candidates(annotation, current) -> list:
     if annotation is float:
         near = [] if current is None else [current * 0.5, current + 0.1]
         return near + [0.5]
+    if origin is list and typing.get_origin(args[0]) is typing.Literal:  # train.report_to
+        return [[a] for a in typing.get_args(args[0]) if [a] != current]
     if origin is list and args == (str,):
         return [list(current or [])[:1] or ["x"]]
     if origin is list:
@@ -131,6 +140,10 @@ def built(mechanics_build):
 
 def expected_plan(stage: str, name: str, graph: dict[str, set[str]]) -> set[str]:
     params = STAGES[stage].params
+    if name == "use_gpus" and issubclass(params, EngineSettings):
+        # dtype auto (config.yaml's) resolves from it, and the dtype is recorded: float32 on the
+        # CPU, bfloat16 on GPUs
+        return graph[rule_of(stage)] | {RECORD}
     if params.effect(name) == "execution" and (stage, name) != ("extract", "disk_budget"):
         return set()
     if (stage, name) == ("regenerate", "enabled"):  # off: prepare reads chat_data instead
@@ -184,12 +197,62 @@ def test_a_code_edit_plans_the_stages_that_import_it(built, rel):
     expected = set().union(*(graph[r] for r in importers)) if importers else set()
     path = work / rel
     original = path.read_text()
-    path.write_text(original + "\n# edited\n")
+    path.write_text(original + "\n_EDITED = True\n")
     try:
         plan = set(planned_in_process(work, TARGET, config))
     finally:
         path.write_text(original)
     assert plan == expected
+
+
+def without_code_change(text: str) -> str:
+    """``text`` (a module) with comments added and its docstrings and settings' texts edited."""
+    lines = text.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            doc = body[0].value
+            if isinstance(doc, ast.Constant) and isinstance(doc.value, str):
+                line = lines[doc.lineno - 1]
+                at = line.index(line[doc.col_offset :].lstrip("rRbBuU")[:3], doc.col_offset) + 3
+                lines[doc.lineno - 1] = line[:at] + "Edited. " + line[at:]
+    text = "".join(lines).replace('description="', 'description="Edited. ')
+    text = re.sub(r"^(def |class )", r"# edited\n\1", text, flags=re.M)
+    return "# edited\n" + text + "\n# edited\n"
+
+
+def test_edits_that_change_no_code_plan_nothing(built):
+    """Comments, docstrings, formatting and the descriptions of settings, in every module at
+    once: a user who pulls documentation rebuilds nothing."""
+    work, config, _ = built
+    originals = {p: p.read_text() for p in (work / "workflow_scripts").rglob("*.py")}
+    try:
+        for path, text in originals.items():
+            path.write_text(without_code_change(text))
+        plan = planned_in_process(work, TARGET, config)
+    finally:
+        for path, text in originals.items():
+            path.write_text(text)
+    assert plan == {}
+
+
+def test_a_new_train_setting_plans_training_and_what_follows(built):
+    """A setting added to train's typed definition is in every stage's import closure, but only
+    training's code changes (the other stages' fingerprints leave out train's settings)."""
+    work, config, graph = built
+    path = work / "workflow_scripts" / "lib" / "workflow" / "train_params.py"
+    original = path.read_text()
+    marker = "class TrainParams(StageParams):\n"
+    assert marker in original
+    head, body = original.split(marker)
+    doc_end = body.index('"""', body.index('"""') + 3) + 3
+    new_field = '\n    added_setting: int = Field(0, description="A new setting.")\n'
+    path.write_text(head + marker + body[:doc_end] + new_field + body[doc_end:])
+    try:
+        plan = set(planned_in_process(work, TARGET, config))
+    finally:
+        path.write_text(original)
+    assert graph["train"] <= plan <= graph["train"] | {RECORD}, plan
 
 
 @pytest.mark.parametrize(
@@ -234,3 +297,35 @@ def test_a_changed_job_count_recomputes_nothing(built, stage, log, message):
     finally:
         write_config(work, config)
     assert planned_in_process(work, "draft_ckpt", config) == {}
+
+
+def test_changed_code_computes_again_what_the_old_code_made(built, tmp_path):
+    """On a copy of the build (mtimes and Snakemake's records kept): a change to the code that
+    computes shards and to the training loss reruns extraction, which computes every shard again
+    instead of reusing them, and training, which starts from step 0 and ends at another draft.
+    Nothing is deleted by hand. The dry-run says what the shards will cost first."""
+    import shutil
+
+    work, config, _ = built
+    copy = tmp_path / "w"
+    shutil.copytree(work, copy, symlinks=True)
+    assert planned_in_process(copy, "draft_ckpt", config) == {}
+    code = copy / "workflow_scripts"
+    (code / "lib/hidden_states/shard_writer.py").write_text(
+        (code / "lib/hidden_states/shard_writer.py").read_text() + "\n_ENCODING_REVISION = 2\n"
+    )
+    model = code / "lib/draft/model.py"
+    loss = "loss = loss + step_loss_decay**k * objective_sum / max(denominator, 1)"
+    assert loss in model.read_text()
+    model.write_text(model.read_text().replace(loss, loss.replace("objective_sum", "1.5 * objective_sum")))
+
+    dry = snakemake(copy, "-n", "draft_ckpt")
+    assert re.search(r"when extraction runs, it computes all \d+ of them again", dry.stdout)
+    snakemake(copy, "--cores", "2", "draft_ckpt")
+    extract_log = (copy / "results" / "logs" / "extract" / "job_0.log").read_text()
+    assert re.search(r"\d+ shard\(s\) of \d+ for this job, 0 finished already", extract_log)
+    train_log = (copy / "results" / "logs" / "train.log").read_text()
+    assert "starting from scratch" in train_log and "resumed from" not in train_log, train_log
+    draft = Path("results") / "train" / "draft" / "model.safetensors"
+    assert sha256_file(copy / draft) != sha256_file(work / draft)
+    assert planned_in_process(copy, "draft_ckpt", config) == {}

@@ -138,7 +138,7 @@ def test_a_mixture_change_plans_the_data_stage_and_after(built):
 def test_code_change_reruns_that_stage(built, script, expected):
     work, config = built
     path = work / "workflow_scripts" / script
-    original = edit(path, '"""', '"""Edited. ')
+    original = edit(path, "\ndef main", "\n_EDITED = True\n\n\ndef main")
     try:
         assert planned_in_process(work, "vocab_map", config) == expected
     finally:

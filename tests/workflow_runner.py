@@ -85,12 +85,17 @@ def jobs_in(out: str) -> Counter:
 
 
 def dry_run_in_process(
-    workdir: Path, target: str, config: dict, set_resources: dict | None = None
+    workdir: Path,
+    target: str,
+    config: dict,
+    set_resources: dict | None = None,
+    printshellcmds: bool = False,
 ) -> tuple[str | None, str]:
     """A dry-run of ``target`` with ``config`` over config.yaml, from Snakemake's Python API in
     this process (a tenth of a second instead of the seconds a new Snakemake process takes):
     (the error that stopped it, or None; everything it wrote). ``set_resources``: by rule, as
-    --set-resources or a profile's set-resources give them."""
+    --set-resources or a profile's set-resources give them. ``printshellcmds``: as -p, each
+    job's command too."""
     import contextlib
     import io
     import tempfile
@@ -99,6 +104,7 @@ def dry_run_in_process(
     from snakemake.settings.types import (
         ConfigSettings,
         DAGSettings,
+        OutputSettings,
         ResourceSettings,
         StorageSettings,
     )
@@ -110,7 +116,7 @@ def dry_run_in_process(
         error = None
         try:
             with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
-                with SnakemakeApi() as api:
+                with SnakemakeApi(OutputSettings(printshellcmds=printshellcmds)) as api:
                     workflow = api.workflow(
                         resource_settings=ResourceSettings(
                             cores=2, overwrite_resources=set_resources or {}

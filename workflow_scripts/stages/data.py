@@ -17,6 +17,7 @@ from workflow_scripts.lib.common import Progress, UserError, atomic_path, run_ma
 from workflow_scripts.lib.data.files import source_files
 from workflow_scripts.lib.data.mixture import mix
 from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.code_inputs import made_by
 
 log = logging.getLogger("eagle3")
 
@@ -46,7 +47,7 @@ def main() -> None:
         if stats["rows"] == 0:
             raise UserError("the sources of chat_data hold no row")
     progress.log()
-    write_json(io.stats, stats)
+    write_json(io.stats, {**stats, "made_by": made_by("data")})
     log.info(
         "data: %d rows: %s",
         stats["rows"],

@@ -35,6 +35,7 @@ from workflow_scripts.lib.evaluation.plots import plot
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.code_inputs import made_by
 
 log = logging.getLogger("eagle3")
 
@@ -58,7 +59,7 @@ def main() -> None:
     )
 
     dtype = preflight.check_evaluate(p, verifier_files.verifier_config(io.verifier))
-    engine.check_devices(p, "evaluate", dtype=dtype)
+    engine.check_devices(p, "evaluate", dtype=dtype, verifier=io.verifier)
     engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
     k = p.num_speculative_tokens
     speculators = {
@@ -158,7 +159,7 @@ def main() -> None:
     )
     with atomic_path(io.plot_dir) as tmp_dir:
         plot(results, io.metrics, tmp_dir)
-    write_json(io.results, results)
+    write_json(io.results, {**results, "made_by": made_by("evaluate")})
     log.info("evaluate: %s", json.dumps(results["summary"]))
 
 

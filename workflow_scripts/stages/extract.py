@@ -48,7 +48,9 @@ def main() -> None:
     )
     disk = check_outputs(io, p, plan)
     if todo:
-        engine.check_devices(p, "extract", vllm=p.backend == "vllm", dtype=plan.dtype)
+        engine.check_devices(
+            p, "extract", vllm=p.backend == "vllm", dtype=plan.dtype, verifier=io.verifier
+        )
         extract(io, p, plan)
     else:
         log.info("nothing to compute: the model is not loaded")

@@ -15,7 +15,7 @@ from workflow_scripts.lib.workflow import cli
 
 def main() -> None:
     io, p = cli.parse("extract_stream")
-    engine.check_devices(p, "extract", vllm=p.backend == "vllm", dtype=None)
+    engine.check_devices(p, "extract", vllm=p.backend == "vllm", verifier=io.verifier)
     produce(io, p)
 
 

@@ -25,6 +25,7 @@ from workflow_scripts.lib.common import (
     write_json,
 )
 from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.code_inputs import made_by
 
 log = logging.getLogger("eagle3")
 
@@ -71,6 +72,7 @@ def main() -> None:
         "max_seq_len_tokens": p.max_seq_len_tokens,
         "chat_template": p.chat_template.model_dump(),
         "dropped": counts["dropped"],
+        "made_by": made_by("prepare"),
     }
     write_json(io.stats, stats)
     log.info("prepare: done: %s", json.dumps(stats))

@@ -34,6 +34,7 @@ from workflow_scripts.lib.regeneration.answers import (
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.code_inputs import made_by
 
 log = logging.getLogger("eagle3")
 
@@ -73,7 +74,7 @@ def main() -> None:
 
     start = time.monotonic()
     if todo:
-        engine.check_devices(p, "regenerate", dtype=dtype)
+        engine.check_devices(p, "regenerate", dtype=dtype, verifier=io.verifier)
         llm = make_engine(io, p, dtype)
         log.info("regenerate: engine ready after %s", format_seconds(time.monotonic() - start))
         todo_rows = sum(min(B, usable - b * B) for b in todo)
@@ -106,6 +107,7 @@ def main() -> None:
         "bad_rows": dict(sorted(index.bad.items())),
         "seconds": round(time.monotonic() - start, 1),
         "params": p.model_dump(mode="json"),
+        "made_by": made_by("regenerate"),
     }
     write_json(io.part, part)
     log.info("regenerate job %d: %d batches -> %s", io.job_index, len(mine), io.part)

@@ -9,6 +9,7 @@ from workflow_scripts.lib.common import UserError, run_main, write_json
 from workflow_scripts.lib.draft.vocab_map import count_masked_tokens, write_vocab_map
 from workflow_scripts.lib.verifier.files import verifier_config
 from workflow_scripts.lib.workflow import cli
+from workflow_scripts.lib.workflow.code_inputs import made_by
 
 log = logging.getLogger("eagle3")
 
@@ -37,6 +38,7 @@ def main() -> None:
         "loss_masked_tokens": coverage["loss_masked_tokens"],
         "distinct_loss_masked_tokens": coverage["distinct_loss_masked_tokens"],
         "coverage": coverage["coverage"],
+        "made_by": made_by("vocab"),
     }
     write_json(io.stats, stats)
     log.info("vocab: done: %s", json.dumps(stats))

@@ -2,7 +2,8 @@
 still to write (the token count of every sample is known from the tokenized data, the layout from
 ``shards.shard_layout``), in the configured storage dtype and in each of the others, against the
 free space where the shards go. Logged, recorded in the part manifest (and so in the manifest and
-the report), and a stop with the key to change when the disk is short.
+the report), and a stop with the key to change when the disk is short. Before the run, the
+dry-run estimates the same bytes from prepare's counts (``estimate.py``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ an engine over the shards still to compute, and a job's part manifest.
 The samples (lines of tokenized_data.jsonl) are cut into shards of ``shard_size_samples``:
 shard i holds samples [i*S, (i+1)*S), and job j of ``num_jobs`` computes the shards with
 i % num_jobs == j. Every shard carries a fingerprint of what it was computed from (the data's
-sha256, the verifier's identity, layer ids, dtypes, backend, sample range and the samples
-skipped in it). A shard whose file exists with the expected fingerprint is reused; every other one is
+sha256, the verifier's identity, layer ids, dtypes, backend, the fingerprint of the code that
+computes shards, sample range and the samples skipped in it). A shard whose file exists with the expected fingerprint is reused; every other one is
 computed into a temporary file and renamed when complete, so a killed job redoes only the shards
 it had not finished, and a job with nothing left to do never loads the model.
 """
@@ -35,6 +35,7 @@ from workflow_scripts.lib.hidden_states.shards import (
 )
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.code_inputs import made_by, shard_code_fingerprint
 
 log = logging.getLogger("eagle3")
 SHA_SIDECAR = ".sha256.json"  # beside each shard: its checksum, so a reuse does not re-hash it
@@ -251,6 +252,7 @@ def make_plan(io, p) -> Plan:
         )
     common = {
         "format_version": FORMAT_VERSION,
+        "made_by": made_by("extract", code=shard_code_fingerprint()),
         "layer_convention": LAYER_CONVENTION,
         "aux_layer_ids": aux_ids,
         "final_layer_id": n,
@@ -284,6 +286,7 @@ def make_plan(io, p) -> Plan:
         "final_layer_id": n,
         "dtype": dtype,
         "backend": p.backend,
+        "code": shard_code_fingerprint(),
     }
     plan = Plan(io.verifier, cfg, aux_ids, dtype, storage, common, key, offsets, num_samples)
 

@@ -55,6 +55,7 @@ from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import Progress
 from workflow_scripts.lib.verifier import engine
 from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
 
 log = logging.getLogger("eagle3")
 SETTING = "regenerate.on_bad_row"
@@ -302,8 +303,9 @@ def batch_result(p, convs: list[Conversation], counts: Counter) -> dict[str, Any
 
 
 def fingerprint(io, p, index: Index, dtype: str) -> str:
-    """What a batch's content depends on: the input's bytes, the verifier, the settings that
-    change answers, batch boundaries or which rows a batch keeps. Not: paths, the number of
+    """What a batch's content depends on: the input's bytes, the verifier, the code of the
+    regenerate stage, the settings that change answers, batch boundaries or which rows a batch
+    keeps. Not: paths, the number of
     jobs, the engine's memory and speed settings."""
     key = {
         "format_version": FORMAT_VERSION,
@@ -311,6 +313,7 @@ def fingerprint(io, p, index: Index, dtype: str) -> str:
         "verifier": verifier_files.fingerprint(io.verifier),
         "dtype": dtype,
         "chat_template": p.chat_template.model_dump(mode="json"),
+        "code": stage_fingerprint("regenerate"),
         **p.model_dump(
             include={
                 "temperature",

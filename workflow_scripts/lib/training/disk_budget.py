@@ -12,7 +12,6 @@ each occurrence. The train job (``stream.py``) and the dry-run (``rules/train.sm
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,18 +22,7 @@ import numpy as np
 from workflow_scripts.lib.common import UserError, read_json
 from workflow_scripts.lib.hidden_states import stream as engine_side
 from workflow_scripts.lib.training.data import Plan, split_samples
-
-UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+from workflow_scripts.lib.workflow.params_base import size_bytes
 
 
 def budget_bytes(setting: str, directory: Path) -> int:
@@ -45,8 +33,7 @@ def budget_bytes(setting: str, directory: Path) -> int:
         directory.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(directory).free + engine_side.used_bytes(directory)
         return int(free * float(text[:-1]) / 100)
-    number, unit = re.fullmatch(r"([\d.]+)([a-z]*)", text).groups()
-    return int(float(number) * UNITS[unit or "b"])
+    return size_bytes(text)
 
 
 def gib(n: int | float) -> str:

@@ -39,6 +39,7 @@ from workflow_scripts.lib.training.disk_budget import load_stream_plan
 from workflow_scripts.lib.training.processes import Dist
 from workflow_scripts.lib.training.stream import StreamedIndex, engine_command
 from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.registry import TrainIO
 
@@ -230,7 +231,8 @@ def check_same_view(inputs: "Inputs", d: Dist) -> None:
 
 def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
     """What a resumable state must have been trained from: its result settings (every one:
-    num_speculative_tokens too, which decides the weights kept) and input contents. States saved
+    num_speculative_tokens too, which decides the weights kept), input contents and the
+    fingerprint of the training code (a state the old code made is not resumed). States saved
     under other execution settings are resumed."""
     settings = p.result_settings()
     files = {
@@ -238,7 +240,8 @@ def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
         "vocab_map": sha256_file(io.vocab_map),
         "verifier": verifier_files.fingerprint(io.verifier),
     }
-    blob = json.dumps({"settings": settings, "files": files}, sort_keys=True)
+    code = stage_fingerprint("train")
+    blob = json.dumps({"settings": settings, "files": files, "code": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -23,6 +23,7 @@ from workflow_scripts.lib.draft.teacher_head import HeadSpec
 from workflow_scripts.lib.training.data import MicroBatch
 from workflow_scripts.lib.training.inputs import Inputs
 from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.code_inputs import made_by
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.registry import TrainIO
 
@@ -209,6 +210,7 @@ def write_draft(directory: Path, model: Eagle3Draft, inputs: Inputs, io: TrainIO
             fc_norm=model.cfg.fc_norm,
             **common,
         )
+    config["made_by"] = made_by("train")  # the code and versions that trained it
     write_draft_checkpoint(directory, model.checkpoint_state_dict(), config, inputs.d2t, inputs.t2d)
 
 

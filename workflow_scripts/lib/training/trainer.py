@@ -9,8 +9,9 @@ held-out split. Neither changes the training: the draft is the same whatever the
 cadence. A killed run resumes there and repeats the uninterrupted run's
 steps exactly. A state from other settings or inputs is discarded, never resumed. Loss, per-TTT
 step top-1 agreement, tokens/s and ETA go to the log; one JSONL row per step (and per
-validation) to the metrics file. At the end it writes the draft checkpoint (speculators format,
-see ``draft/checkpoint.py``) and the metrics, atomically.
+validation) to the metrics file, and to TensorBoard and W&B with ``train.report_to``
+(``reporting.py``). At the end it writes the draft checkpoint (speculators format, see
+``draft/checkpoint.py``) and the metrics, atomically.
 """
 
 from __future__ import annotations
@@ -28,13 +29,9 @@ import torch
 import torch.distributed as dist
 
 from workflow_scripts.lib.common import UserError, atomic_path, format_seconds
-from workflow_scripts.lib.draft.model import (
-    STAT_KEYS,
-    Objective,
-    param_count,
-)
+from workflow_scripts.lib.draft.model import STAT_KEYS, Objective, param_count
 from workflow_scripts.lib.hidden_states import shards
-from workflow_scripts.lib.training import teacher_check
+from workflow_scripts.lib.training import reporting, teacher_check
 from workflow_scripts.lib.training.data import (
     Loader,
     Plan,
@@ -45,6 +42,7 @@ from workflow_scripts.lib.training.data import (
 )
 from workflow_scripts.lib.training.inputs import Inputs
 from workflow_scripts.lib.training.processes import Dist
+from workflow_scripts.lib.training.reporting import METRICS_FILE
 from workflow_scripts.lib.training.setup import (
     build_draft,
     fmt_list,
@@ -63,7 +61,6 @@ from workflow_scripts.lib.workflow.registry import TrainIO
 log = logging.getLogger("eagle3")
 
 STATE_FILE = "state.pt"
-METRICS_FILE = "metrics.jsonl"
 BEST_FILE = "best.pt"  # the weights of the best validation so far
 BEST_META = "best.json"  # which validation that is (step, score, summary)
 
@@ -127,6 +124,7 @@ class Trainer:
             p.loss, p.lk_eta, p.topk_loss_weight, p.topk_loss_k, p.ttt_positions == "accepted_chain"
         )
         self.best: dict[str, Any] | None = None  # step, score and summary of the best validation
+        self.run_id, self.report = reporting.new_run_id(), None  # the curves' run (reporting.py)
         if d.main:
             log.info(
                 "draft: %s trainable parameters; verifier hidden %d, %d aux layers %s, draft vocab "
@@ -170,6 +168,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rngs,
+                "report_run": self.run_id,
             }
             with atomic_path(self.state_dir / STATE_FILE) as tmp:
                 torch.save(state, tmp)
@@ -180,7 +179,7 @@ class Trainer:
         path = self.state_dir / STATE_FILE
         if not path.exists():
             if self.d.main:
-                self._rewrite_metrics(keep_until=-1)
+                reporting.keep_rows(self.state_dir / METRICS_FILE, -1)
                 self._forget_best()
             self.d.barrier()
             return
@@ -193,7 +192,7 @@ class Trainer:
                     path,
                 )
                 path.unlink()
-                self._rewrite_metrics(keep_until=-1)
+                reporting.keep_rows(self.state_dir / METRICS_FILE, -1)
                 self._forget_best()
             self.d.barrier()
             return
@@ -209,6 +208,7 @@ class Trainer:
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
         self.step = int(state["step"])
+        self.run_id = state.get("report_run", self.run_id)
         best = self.state_dir / BEST_META
         if best.exists():
             self.best = json.loads(best.read_text())
@@ -218,20 +218,9 @@ class Trainer:
             ):
                 self.best = None  # from other settings, or past the resumed step: made again
         if self.d.main:
-            self._rewrite_metrics(keep_until=self.step)
+            reporting.keep_rows(self.state_dir / METRICS_FILE, self.step)
             log.info("resumed from %s at step %d of %d", path, self.step, self.plan.total_steps)
         self.d.barrier()
-
-    def _rewrite_metrics(self, keep_until: int) -> None:
-        """Drop metrics rows past the resumed step (a killed run may have logged beyond it)."""
-        path = self.state_dir / METRICS_FILE
-        rows = []
-        if path.exists() and keep_until >= 0:
-            rows = [line for line in path.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if json.loads(r)["step"] <= keep_until]
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text("".join(r + "\n" for r in rows))
 
     def _forget_best(self) -> None:
         for name in (BEST_FILE, BEST_META):
@@ -263,8 +252,9 @@ class Trainer:
 
     def write_metrics(self, row: dict) -> None:
         if self.d.main:
-            with open(self.state_dir / METRICS_FILE, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            reporting.append_row(self.state_dir / METRICS_FILE, row)
+            if self.report is not None:
+                self.report.log(row)
 
     # ---- steps
 
@@ -342,15 +332,23 @@ class Trainer:
         return summary
 
     def run(self) -> None:
+        ok = False
         try:
             self._run()
+            ok = True
         finally:
             if self.stream is not None:
                 self.stream.stop()
+            if self.report is not None:
+                self.report.close(ok)
 
     def _run(self) -> None:
         p, d = self.p, self.d
         self.restore_state()
+        if d.main and p.report_to:  # beside the metrics output: <results_dir>/train
+            rows = reporting.read_rows(self.state_dir / METRICS_FILE)
+            root = Path(self.io.metrics).parent
+            self.report = reporting.Reporter(p, root, self.run_id, self.step, rows)
         if self.stream is not None:
             self.stream.start(self.step, self.teacher)
         total = self.plan.total_steps
@@ -434,6 +432,8 @@ class Trainer:
                 self.model.load_state_dict(weights, strict=False)
             row = {"step": self.best["step"], "split": "selected", **self.best["summary"]}
             metrics += (json.dumps(row) + "\n").encode()
+            if self.report is not None:
+                self.report.summary(row)
             summary = self.best["summary"]
             log.info(
                 "the draft is step %d's: simulated acceptance length %.3f at k=%d, KL %.4f on the "

@@ -1,4 +1,5 @@
 """The verifier: its files on disk (``files``: config, weights, tokenizer, identity, the tensors
-the draft takes), its vLLM engine (``engine``), what the installed vLLM can do with its
-architecture (``vllm_support``), and the checks of the settings against it and this machine, at
-dry-run and in each job (``preflight``)."""
+the draft takes), its vLLM engine (``engine``), what it takes of an engine's memory (``memory``:
+its KV cache and weights against the settings and the GPUs), what the installed vLLM can do with
+its architecture (``vllm_support``), and the checks of the settings against it and this machine,
+at dry-run and in each job (``preflight``)."""

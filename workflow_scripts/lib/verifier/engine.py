@@ -15,6 +15,7 @@ from typing import Any
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.verifier.files import own_dtype
+from workflow_scripts.lib.verifier.memory import check_gpu_memory, weights_in_memory
 
 log = logging.getLogger("eagle3")
 ROOT = Path(__file__).resolve().parents[3]  # the directory holding the workflow_scripts package
@@ -47,9 +48,17 @@ def check_parallel(cfg: dict[str, Any], tp: int, section: str) -> None:
         )
 
 
-def check_devices(settings, section: str, vllm: bool = True, dtype: str | None = None) -> None:
-    """GPUs visible against what the job needs, their support of ``dtype``, and the vLLM build
-    against use_gpus (config keys ``<section>.*``; ``vllm`` False: the job does not run vLLM)."""
+def check_devices(
+    settings,
+    section: str,
+    vllm: bool = True,
+    dtype: str | None = None,
+    verifier: Path | str | None = None,
+) -> None:
+    """GPUs visible against what the job needs, their support of ``dtype``, the vLLM build
+    against use_gpus, and (with the ``verifier`` directory, for a vLLM engine) the verifier's
+    weights and one sequence's KV cache against the memory of the GPUs given to the job
+    (config keys ``<section>.*``; ``vllm`` False: the job does not run vLLM)."""
     if settings.use_gpus:
         import torch
 
@@ -78,6 +87,19 @@ def check_devices(settings, section: str, vllm: bool = True, dtype: str | None =
             raise UserError(
                 f"{section}.dtype resolves to bfloat16, which the GPUs given to this job do not "
                 f"support; set {section}.dtype: float16"
+            )
+        if vllm and verifier is not None:
+            cfg = verifier_files.verifier_config(verifier)
+            dtype = dtype or resolve_dtype(settings, cfg)
+            disk = verifier_files.weights_bytes(verifier)
+            check_gpu_memory(
+                settings,
+                section,
+                cfg,
+                dtype,
+                weights_in_memory(cfg, disk, dtype),
+                torch.cuda.mem_get_info(0)[1],
+                f"the memory of this job's first GPU, {torch.cuda.get_device_name(0)}",
             )
     if vllm:
         from vllm.platforms import current_platform

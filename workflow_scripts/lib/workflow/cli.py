@@ -82,8 +82,11 @@ def render(stage: str, params: StageParams | None, files: dict[str, Any]) -> str
             value = str(value)
         args += [flag(name), _encode(value)]
     if params is not None:
-        for name in _fields(spec.params):
-            args += [flag(name), _encode(getattr(params, name))]
+        for name, field in _fields(spec.params).items():
+            value, text = getattr(params, name), _encode(getattr(params, name))
+            if isinstance(value, str) and _decode(field.annotation, text) != value:
+                text = json.dumps(value)  # text JSON reads otherwise ("123", "null"): quoted
+            args += [flag(name), text]
     return shlex.join(args)
 
 

