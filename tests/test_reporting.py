@@ -53,6 +53,18 @@ def job_env(home: Path) -> dict[str, str]:
     }
 
 
+def run_python(args: list[str], home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository, in ``job_env(home)``, to its end."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=job_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """A 4-layer random verifier, 64 samples in 4 shards, a 64-token draft vocabulary."""
@@ -79,7 +91,7 @@ def resumed(inputs, tmp_path_factory):
     proc.wait()
     saved = torch.load(state, weights_only=False)
     assert saved["step"] > 0 and not (out / "draft").exists(), "the run ended before the kill"
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    again = run_python(command[1:], root / "wandb_home")
     assert again.returncode == 0, again.stderr[-5000:]
     assert f"resumed from {state} at step {saved['step']}" in again.stderr
     return out, saved["report_run"], again.stderr
@@ -165,14 +177,8 @@ def test_a_resumed_run_continues_its_curves_each_step_once(resumed):
 def test_under_torchrun_the_main_process_reports(inputs, tmp_path):
     out = tmp_path / "results" / "train"
     params = {**PARAMS, "epochs": 1, "num_cpu_processes": 2}
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.stages.train", *inputs.args(out, **params)],
-        cwd=ROOT,
-        env=job_env(tmp_path / "wandb_home"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = inputs.args(out, **params)
+    proc = run_python(["-m", "workflow_scripts.stages.train", *args], tmp_path / "wandb_home")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "starting 2 training processes" in proc.stderr
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
@@ -207,14 +213,7 @@ def test_wandb_is_sent_each_step_its_files_lack(tmp_path, first):
     """Offline, a killed process's W&B files hold the steps it wrote before the kill: past the
     state the run resumes from (15, the state at 10), or fewer (4: W&B writes its files in
     blocks). The resumed run sends each step they lack, once."""
-    proc = subprocess.run(
-        [sys.executable, "-c", WANDB_RESUMED, str(tmp_path), str(first)],
-        cwd=ROOT,
-        env=job_env(tmp_path / "wandb_home"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(["-c", WANDB_RESUMED, str(tmp_path), str(first)], tmp_path / "wandb_home", 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     history = wandb_history(tmp_path, "r1")
     assert [h["_step"] for h in history] == list(range(1, 21))
