@@ -124,9 +124,21 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "regenerate.temperature: 1 (the verifier's sampled answers, not its greedy ones)",
         {"regenerate": {"temperature": 1.0}},
     ),
+    "qwen3_layer": (
+        "train.draft_layer: qwen3 (a query and key norm per head)",
+        {"train": {"draft_layer": "qwen3"}},
+    ),
     "aux_layers_high": (
         "extract.aux_layer_ids: [2, 4, 7] (the last layer's input, not N - 3's)",
         {"extract": {"aux_layer_ids": [2, 4, 7]}},
+    ),
+    "aux_layers_deep": (
+        "extract.aux_layer_ids: [3, 5, 7] (each a layer deeper or more)",
+        {"extract": {"aux_layer_ids": [3, 5, 7]}},
+    ),
+    "aux_layers_last": (
+        "extract.aux_layer_ids: [5, 6, 7] (the last three layers' inputs)",
+        {"extract": {"aux_layer_ids": [5, 6, 7]}},
     ),
     "storage_bfloat16": (
         "extract.storage_dtype: bfloat16",
@@ -141,6 +153,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 # reference recipe at those steps and at its own micro-batches (the rest with --only)
 DEFAULT = (
     "baseline",
+    "qwen3_layer",
+    "aux_layers_high",
+    "aux_layers_deep",
+    "aux_layers_last",
     "speculators_equal_steps",
     "speculators",
     "layers_2",

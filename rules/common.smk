@@ -15,10 +15,11 @@ from snakemake.settings.types import DeploymentMethod
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
 from workflow_scripts.lib.common import UserError, atomic_path
+from workflow_scripts.lib.training import init_from
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
-from workflow_scripts.lib.verifier.files import verifier_config
+from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config
 from workflow_scripts.lib.workflow import cli as _cli
 from workflow_scripts.lib.workflow.code_inputs import (
     closure,
@@ -157,6 +158,24 @@ except UserError as exc:
 for _warning in _source_warnings:
     logger.warning(f"Warning: {_warning}")
 CHAT_DATA = RESULTS / "data" / "chat_data.jsonl"
+# train.init_from: the draft training starts from (lib/training/init_from.py), checked against
+# training's settings and the verifier where it is on disk; its files are the train rule's inputs
+try:
+    INIT_FROM_FILES = init_from.files(CFG.train.init_from, RESULTS / "train")
+    if INIT_FROM_FILES and VERIFIER_CFG:
+        init_from.check_init_draft(
+            CFG.train.init_from,
+            CFG.train,
+            VERIFIER_CFG,
+            aux_layer_ids(VERIFIER_CFG, CFG.extract.aux_layer_ids),
+        )
+except UserError as exc:
+    INIT_FROM_FILES = []
+    _errors, _later = preflight.by_targets({"train": [str(exc)]}, REQUESTED_TARGETS)
+    if _errors:
+        raise WorkflowError("\n".join(_errors)) from None
+    for _warning in _later:
+        logger.warning(f"Warning: {_warning}")
 # the verifier's weight files are inputs of the stages that run it: new weights, new outputs
 VERIFIER_WEIGHTS = (
     sorted(

@@ -69,6 +69,7 @@ rule train:
         verifier_config=VERIFIER_CONFIG,
         engine=[rules.prepare.output.tokenized, *VERIFIER_WEIGHTS] if STREAMED else [],
         code=[stage_code("train")] + ([stage_code("extract_stream")] if STREAMED else []),
+        init_from=INIT_FROM_FILES,
     output:
         draft=directory(TRAIN / "draft"),
         metrics=TRAIN / "metrics.jsonl",

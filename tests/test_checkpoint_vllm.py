@@ -120,8 +120,8 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     full_build, demo_build, tmp_path, monkeypatch
 ):
     """The full-size default's draft (trained and served by the workflow: its evaluation) and a
-    draft trained here with EAGLE-3.1's options on the same shards, against an untrained draft
-    of the same shape, all served by vLLM."""
+    draft trained here on the same shards with EAGLE-3.1's options and two Qwen3 layers, against
+    an untrained draft of the default's shape, all served by vLLM."""
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
@@ -151,7 +151,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     assert torch.equal(shipped["embed_tokens.weight"], model.model.embed_tokens.weight)
 
     # EAGLE-3.1's options, both readings: an input norm before fc (speculators') and a norm on
-    # each auxiliary state (vLLM's fc_norm), the normed output fed back; and two draft layers
+    # each auxiliary state (vLLM's fc_norm), the normed output fed back; two draft layers, and
+    # the Qwen3 layer (vLLM's Eagle3Qwen3ForCausalLM: a query and key norm it must apply as
+    # trained, or the acceptance below falls)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a small model on a shared machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -164,8 +166,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
         checkpoint_every_steps=1000,
     )
     args31 = inputs.args(
-        out31, norm_before_fc=True, norm_output=True, fc_norm=True, num_draft_layers=2, **settings
-    )
+        out31, norm_before_fc=True, norm_output=True, fc_norm=True, num_draft_layers=2,
+        draft_layer="qwen3", **settings,
+    )  # fmt: skip
     try:
         train.main(args31)
     finally:
@@ -176,6 +179,8 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     weights31 = load_file(str(out31 / "draft" / "model.safetensors"))
     assert "input_norm.weight" in weights31 and "fc_norm.2.weight" in weights31
     assert config31["transformer_layer_config"]["num_hidden_layers"] == 2  # a second layer
+    assert config31["transformer_layer_config"]["model_type"] == "qwen3"
+    assert "layers.1.self_attn.k_norm.weight" in weights31
     assert weights31["layers.1.self_attn.q_proj.weight"].shape[1] == config31["target_hidden_size"]
 
     # the same shape, untrained: the draft as training starts it, written the same way
@@ -189,7 +194,11 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     trained = evaluated["runs"]["eagle3"]["mean_acceptance_length"]
     print("trained (the workflow's evaluation):", trained)
     print("untrained:", bad["mean_acceptance_length"], bad["counters"])
-    print("trained, 3.1 options:", good31["mean_acceptance_length"], good31["counters"])
+    print(
+        "trained, 3.1 options, 2 Qwen3 layers:",
+        good31["mean_acceptance_length"],
+        good31["counters"],
+    )
 
     # speculative decoding never changes greedy output: both equal the verifier's own
     assert good31["outputs"] == bad["outputs"]

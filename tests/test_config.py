@@ -80,6 +80,14 @@ def test_schema_documents_every_parameter():
             r"train\.num_draft_layers above 1 with train\.draft_attention mla.*num_draft_layers: 1",
         ),
         (
+            {"train": {"draft_attention": "mla", "draft_layer": "qwen3"}},
+            r"train\.draft_layer qwen3 with train\.draft_attention mla.*train\.draft_layer: llama",
+        ),
+        (
+            {"train": {"draft_layer": "gemma"}},
+            r"'train\.draft_layer' = 'gemma'.*'llama' or 'qwen3'",
+        ),
+        (
             {"train": {"num_draft_layers": 9}},
             r"'train\.num_draft_layers' = 9.*less than or equal to 8",
         ),

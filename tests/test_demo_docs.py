@@ -125,3 +125,30 @@ def test_quality_config_plans_every_stage(tmp_path):
     work = copy_workflow(tmp_path / "work", config)
     plan = planned(work, "evaluate")
     assert {"demo", "prepare", "extract", "vocab", "train", "evaluate_draft"} <= set(plan), plan
+
+
+def test_every_quality_variant_is_a_valid_config():
+    """Each variant of benchmarks/bench_quality.py, over config.yaml and config.quality.yaml as
+    the benchmark layers them, passes the config's checks (a misspelt setting would fail a run
+    hours into the benchmark)."""
+    import yaml
+
+    from benchmarks.bench_quality import DEFAULT, VARIANTS
+    from workflow_scripts.lib.workflow.config import load_config
+
+    def merged(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            is_section = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = merged(out[key], value) if is_section else value
+        return out
+
+    base = merged(
+        *(yaml.safe_load((ROOT / f).read_text()) for f in ("config.yaml", "config.quality.yaml"))
+    )
+    assert set(DEFAULT) <= set(VARIANTS)
+    for name, (_, settings) in VARIANTS.items():
+        cfg = load_config(
+            merged(base, {**settings, "train": {**settings.get("train", {}), "seed": 2}})
+        )
+        assert cfg.train.seed == 2, name

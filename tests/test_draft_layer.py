@@ -120,3 +120,70 @@ def test_the_draft_rotates_as_vllm_rotates(name):
     tol = dict(atol=3e-3, rtol=1e-3)
     torch.testing.assert_close(ours_q.reshape(len(positions), -1), q_vllm, **tol)
     torch.testing.assert_close(ours_k.reshape(len(positions), -1), k_vllm, **tol)
+
+
+def test_the_qwen3_layer_is_stated_and_read_as_vllm_reads_it():
+    """train.draft_layer qwen3: a Qwen3 config of the verifier's shape (model_type qwen3, which
+    vLLM's speculators loader maps to Eagle3Qwen3ForCausalLM), full attention in every layer,
+    and the draft built from it with a query and a key norm per layer."""
+    from vllm.transformers_utils.configs.speculators.algos import update_eagle3
+
+    from workflow_scripts.lib.draft.layer_config import draft_layer_config
+    from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft
+
+    vcfg = LlamaConfig(**SMALL, vocab_size=100).to_dict()
+    layer = draft_layer_config(vcfg, "qwen3")
+    assert layer["model_type"] == "qwen3" and layer["head_dim"] == 64
+    assert layer["layer_types"] == ["full_attention"] and not layer["use_sliding_window"]
+    assert layer["rope_parameters"] == draft_layer_config(vcfg, "llama")["rope_parameters"]
+    served: dict = dict(layer)
+    update_eagle3({"draft_vocab_size": 50}, served)
+    assert served["architectures"] == ["Eagle3Qwen3ForCausalLM"]
+    cfg = DraftConfig.from_layer_config(layer, 50, num_layers=2)
+    assert cfg.qk_norm and cfg.layer_config["layer_types"] == ["full_attention"] * 2
+    names = set(Eagle3Draft(cfg).checkpoint_state_dict())
+    for i in (0, 1):
+        assert {
+            f"layers.{i}.self_attn.q_norm.weight",
+            f"layers.{i}.self_attn.k_norm.weight",
+        } <= names
+    llama = DraftConfig.from_layer_config(draft_layer_config(vcfg, "llama"), 50)
+    assert not llama.qk_norm and not any("q_norm" in k for k in Eagle3Draft(llama).state_dict())
+    with pytest.raises(ValueError, match="unknown draft layer 'mistral'"):
+        draft_layer_config(vcfg, "mistral")
+
+
+def test_the_qwen3_layers_attention_is_qwen3s():
+    """The draft's attention with the query and key norms (TTT step 0: causal over the prefix)
+    against transformers' Qwen3Attention given the same weights, 2H inputs and rotation: the
+    norms sit where Qwen3's do (per head, before RoPE), which is where vLLM's Qwen3 layer has them.
+    """
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    from workflow_scripts.lib.draft.layer_config import draft_layer_config
+    from workflow_scripts.lib.draft.model import Attention, DraftConfig
+
+    layer = draft_layer_config(Qwen3Config(**SMALL, head_dim=64, vocab_size=100).to_dict(), "qwen3")
+    cfg = DraftConfig.from_layer_config(layer, 50)
+    torch.manual_seed(0)
+    ours = Attention(cfg).double()
+    with torch.no_grad():
+        ours.q_norm.weight.uniform_(0.5, 1.5)
+        ours.k_norm.weight.uniform_(0.5, 1.5)
+    # transformers' layer reads hidden_size inputs: give it 2H, and our output projection
+    reference = Qwen3Attention(Qwen3Config(**{**layer, "hidden_size": 2 * cfg.hidden_size}), 0)
+    reference.config._attn_implementation = "sdpa"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        setattr(reference, name, getattr(ours, name))
+    reference.double()
+    n = 12
+    x = torch.randn(1, n, 2 * cfg.hidden_size, dtype=torch.float64)
+    cos, sin = Rotary(layer)(torch.arange(n))
+    cos, sin = cos.double(), sin.double()
+    with torch.no_grad():
+        got = ours(x, cos, sin, [])
+        want, _ = reference(x, (cos[None], sin[None]), None, is_causal=True)
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():  # without the norms it is another attention
+        ours.qk_norm = False
+        assert not torch.allclose(ours(x, cos, sin, []), want, atol=1e-3)

@@ -12,7 +12,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -264,11 +263,9 @@ def test_bytes_per_token_near_floor(resumed):
 
 @pytest.mark.engine
 def test_finished_job_reruns_without_loading_the_model(resumed):
-    start = time.monotonic()
     proc = run_job(ExtractParams(**TEST_PARAMS), resumed["files"])
     assert "nothing to compute: the model is not loaded" in proc.stderr
     assert "8 finished already, 0 to compute" in proc.stderr
-    assert time.monotonic() - start < 20
     part = json.loads(Path(resumed["files"]["part"]).read_text())
     assert [e["sha256"] for e in part["shards"]] == [
         e["sha256"] for e in resumed["manifest"]["shards"]
@@ -487,9 +484,8 @@ def test_preflight_fails_before_the_model_loads(
 
 
 def test_preflight_error_through_the_entry_point(world, small_verifier, tmp_path):
-    """The real command: exit status 2 and one clear line, within seconds (no model load)."""
+    """The real command: exit status 2 and one clear line, before the model loads."""
     root, _, tokenized = world
-    start = time.monotonic()
     proc = subprocess.run(
         command(ExtractParams(**TEST_PARAMS), files(root, small_verifier, tokenized, tmp_path, 0)),
         cwd=ROOT,
@@ -498,7 +494,7 @@ def test_preflight_error_through_the_entry_point(world, small_verifier, tmp_path
     )
     assert proc.returncode == 2
     assert "extract.aux_layer_ids" in proc.stderr and "Traceback" not in proc.stderr
-    assert time.monotonic() - start < 30
+    assert "Loading weights" not in proc.stderr and "loading took" not in proc.stderr
 
 
 # --------------------------------------------------------------------------- format, merge

@@ -9,11 +9,12 @@ noaux_tc and scoring_func sigmoid.
 The DeepSeek/Kimi family (MLA) is served with an MLA draft (train.draft_attention: mla): vLLM on
 the CPU finds no common block size for a Llama-layer draft beside an MLA verifier (its CPU MLA
 backend takes blocks of 16, its CPU attention backend multiples of 32). Served here, as the time
-budget allows (about 30 s each): Qwen3 (tied embeddings) and Kimi-K2.5 (the multimodal wrapper
-around DeepSeek-V3's MLA and MoE); Qwen3-MoE, gpt-oss and plain DeepSeek-V3 draft the same layers
-as those. Llama is the whole workflow's own (test_pipeline); vLLM's Mistral model is its Llama
-model (a subclass: the same auxiliary states, the same head), checked by the registry test of
-tests/test_verifier_families.py.
+budget allows (about 30 s each): Qwen3 (tied embeddings; its draft has the Qwen3 layer,
+train.draft_layer: qwen3, which vLLM serves as Eagle3Qwen3ForCausalLM) and Kimi-K2.5 (the
+multimodal wrapper around DeepSeek-V3's MLA and MoE); Qwen3-MoE, gpt-oss and plain DeepSeek-V3
+draft the same layers as those. Llama is the whole workflow's own (test_pipeline); vLLM's Mistral
+model is its Llama model (a subclass: the same auxiliary states, the same head), checked by the
+registry test of tests/test_verifier_families.py.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ FAMILIES = {  # family -> (the draft's attention, extraction's backend)
     "gemma3": ("llama", "transformers"),  # vLLM's Gemma3 returns no auxiliary hidden states
 }
 SERVED = ["qwen3", "kimi_k25"]
+DRAFT_LAYERS = {"qwen3": "qwen3"}  # the rest: a Llama layer (MLA: DeepSeek's)
 KIMI_K25 = ROOT / "tests/data/kimi_k25_config.json"
 KIMI_K25_PREPROCESSOR = ROOT / "tests/data/kimi_k25_preprocessor_config.json"
 
@@ -183,7 +185,8 @@ def family(request, tmp_path_factory):
     try:
         train.main(inputs.args(root / "train", epochs=4, learning_rate=3e-3, warmup_steps=2,
                                micro_batch_budget_tokens=1024, validation_fraction=0.1,
-                               draft_attention=attention))  # fmt: skip
+                               draft_attention=attention,
+                               draft_layer=DRAFT_LAYERS.get(name, "llama")))  # fmt: skip
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -232,6 +235,9 @@ def test_the_draft_is_served_by_vllm(family, tmp_path):
     config = json.loads((draft / "config.json").read_text())
     mla = config.get("architectures") == ["Eagle3DeepseekV2ForCausalLM"]
     assert mla == (FAMILIES[name][0] == "mla")
+    if not mla:
+        layer = config["transformer_layer_config"]["model_type"]
+        assert layer == DRAFT_LAYERS.get(name, "llama")
     prompts = [list(range(5, 25)), list(range(30, 42))]
     script = tmp_path / "serve.py"
     script.write_text(SERVE)

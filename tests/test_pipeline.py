@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.workflow_runner import planned, planned_in_process, snakemake, write_config
+from tests.workflow_runner import (
+    dry_run_in_process,
+    planned,
+    planned_in_process,
+    snakemake,
+    write_config,
+)
 from workflow_scripts.lib.workflow.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
@@ -110,6 +116,38 @@ def test_training_change_reruns_training_only(mechanics_build, change):
         assert planned_in_process(work, "draft_ckpt", new) == {"train": 1}
     finally:
         write_config(work, config)
+
+
+def test_a_draft_to_start_from_reruns_training_only_and_is_checked(mechanics_build):
+    """train.init_from: a copy of the built draft plans train and evaluate only; the draft inside
+    results/train (training's own output) is refused at dry-run."""
+    import shutil
+
+    work, config = mechanics_build
+    previous = work / "drafts" / "previous"
+    shutil.copytree(work / "results" / "train" / "draft", previous)
+    try:
+        new = with_config(work, config, train={"init_from": "drafts/previous"})
+        expected = {"train": 1, "evaluate_draft": 1, "resolved_config": 1}
+        assert planned_in_process(work, "evaluate", new) == expected
+        inside = {**new, "train": {**new["train"], "init_from": "results/train/draft"}}
+        error, out = dry_run_in_process(work, "draft_ckpt", inside)
+        assert error is not None and "train.init_from results/train/draft lies in" in error, out
+        assert "copy the draft out first" in error
+        # with the verifier named, the draft is held to it and to training's settings
+        named = {
+            **new,
+            "verifier": "results/demo/verifier",
+            "chat_data": "results/demo/chat_data.jsonl",
+            "eval_prompts": "results/demo/eval_prompts.jsonl",
+            "train": {**new["train"], "num_draft_layers": 2},
+        }
+        error, out = dry_run_in_process(work, "draft_ckpt", named)
+        assert error is not None and "train.init_from drafts/previous cannot start" in error, out
+        assert "its number of layers: 1 where training's is 2; set train.num_draft_layers" in error
+    finally:
+        write_config(work, config)
+        shutil.rmtree(work / "drafts")
 
 
 def test_vocab_change_reruns_vocab_and_training_not_extraction(mechanics_build):

@@ -15,6 +15,8 @@ the typed definitions and from the code itself, not from hand-written lists:
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import types
 import typing
@@ -40,9 +42,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 TARGET = "evaluate"
 RULE_OF = {"evaluate": "evaluate_draft"}  # a stage's rule, where its name is not the stage's
 RECORD = "resolved_config"  # records every result setting: reruns on any of them
-# settings that have no other valid value in this config (a CPU run), with the reason
+# settings that have no other valid value in this config (a CPU run), or one no generated value
+# can be (a path to a draft), with the reason
 NO_OTHER_VALUE = {
     ("evaluate", "sampled_temperature"): "sampling under speculative decoding needs GPUs",
+    ("train", "init_from"): "a draft directory; tests/test_pipeline.py starts from the build's own",
 }
 
 
@@ -156,6 +160,8 @@ def expected_plan(stage: str, name: str, graph: dict[str, set[str]]) -> set[str]
 @pytest.mark.parametrize("stage, name", SETTINGS, ids=[f"{s}.{n}" for s, n in SETTINGS])
 def test_a_changed_setting_plans_exactly_what_it_affects(built, stage, name):
     work, config, graph = built
+    if (stage, name) in NO_OTHER_VALUE and (stage, name) != ("evaluate", "sampled_temperature"):
+        pytest.skip(NO_OTHER_VALUE[(stage, name)])  # a value no generated one can be
     changed = other_valid_config(work, stage, name, config)
     if changed is None:
         assert (stage, name) in NO_OTHER_VALUE, f"no other valid value for {stage}.{name}"
@@ -255,6 +261,102 @@ def test_a_new_train_setting_plans_training_and_what_follows(built):
     assert graph["train"] <= plan <= graph["train"] | {RECORD}, plan
 
 
+FINGERPRINTS = """
+import json
+from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
+from workflow_scripts.lib.workflow.registry import STAGES
+print(json.dumps({stage: stage_fingerprint(stage) for stage in STAGES}))
+"""
+# what a job may be planned for when other code is laid over a build: its own stage's code (its
+# fingerprint file is new), its settings' recorded values or its rule's text changed, or a job
+# before it
+UPGRADE_REASONS = (
+    "Updated input files",  # a new code fingerprint file, dated by its newest module
+    "Set of input files has changed since last execution",  # the same, where that date is older
+    "Input files updated by another job",
+    "Params have changed since last execution",
+    "Code has changed since last execution",
+)
+
+
+def job_reasons(dry_run: str) -> dict[str, str]:
+    """Each job of a dry-run's output -> its reason line."""
+    jobs = re.split(r"^\s*(?:local)?(?:rule|checkpoint) (\w+):$", dry_run, flags=re.M)
+    return {
+        rule: re.search(r"^\s*reason: (.*)$", text, flags=re.M).group(1)
+        for rule, text in zip(jobs[1::2], jobs[2::2])
+        if rule not in TARGET_RULES
+    }
+
+
+def test_the_previous_commits_code_plans_exactly_the_stages_whose_code_differs(built, tmp_path):
+    """An upgrade, measured the other way round at no build's cost: the workflow as the commit
+    before this one has it (git) laid over a copy of the build this code made, dry-run by its own
+    Snakefile. Planned: every stage whose code fingerprint differs between the two commits (each
+    commit's own fingerprints of its own files) and what follows it, besides the stages whose
+    recorded settings or rule text differ; nothing for a stage's new fingerprint file alone when
+    its code is the same, and nothing at all where the two commits differ only in docs or tests."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.workflow_runner import WORKFLOW_FILES
+
+    work, config, graph = built
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    previous = subprocess.run(
+        [*git, "rev-parse", "--verify", "-q", "HEAD~1"], capture_output=True, text=True
+    )
+    if previous.returncode != 0:
+        pytest.skip("no commit before HEAD in this clone (a shallow clone)")
+    previous = previous.stdout.strip()
+    copy = tmp_path / "w"
+    shutil.copytree(work, copy, symlinks=True)
+    for name in WORKFLOW_FILES:
+        target = copy / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    archive = subprocess.run(
+        [*git, "archive", previous, *WORKFLOW_FILES], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(copy)], input=archive.stdout, check=True)
+    if not (copy / "workflow_scripts/lib/workflow/code_inputs.py").exists():
+        pytest.skip(f"{previous[:12]} is older than the code fingerprints")
+
+    def fingerprints(tree: Path) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        out = subprocess.run([sys.executable, "-c", FINGERPRINTS], cwd=tree, env=env,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return json.loads(out.stdout)
+
+    ours, theirs = fingerprints(root), fingerprints(copy)
+    changed = {rule_of(s) for s in ours if ours[s] != theirs.get(s)} & set(graph)
+    dry = snakemake(copy, "-n", TARGET, check=False)
+    if "invalid configuration" in dry.stdout + dry.stderr:
+        pytest.skip(f"the mechanics build's config has settings {previous[:12]} does not know")
+    assert dry.returncode == 0, dry.stdout[-4000:] + dry.stderr[-4000:]
+    reasons = job_reasons(dry.stdout + dry.stderr)
+    planned = set(reasons)
+    for rule in changed:  # the stages whose code differs are planned, and what follows them
+        assert graph[rule] <= planned, (rule, planned)
+    own = {
+        r for r, why in reasons.items() if re.search(r"Params have changed|Code has changed", why)
+    }
+    explained = set().union(*(graph[r] for r in changed | own))
+    assert planned <= explained, {r: reasons[r] for r in planned - explained}
+    for rule, why in reasons.items():
+        for cause in (c.strip() for c in why.split(";")):
+            assert cause.startswith(UPGRADE_REASONS), (rule, why)
+            if cause.startswith(UPGRADE_REASONS[:2]):  # only its own code's new fingerprint
+                assert rule in changed, (rule, why)
+            if cause.startswith("Updated input files:"):
+                files = cause.split(":", 1)[1].split(",")
+                assert all(f.strip().startswith("results/code/") for f in files), (rule, why)
+    differs = subprocess.run([*git, "diff", "--quiet", previous, "--", *WORKFLOW_FILES])
+    if differs.returncode == 0:  # docs and tests only
+        assert planned == set(), reasons
+
+
 @pytest.mark.parametrize(
     "stage, log, message",
     [
@@ -317,7 +419,9 @@ def test_changed_code_computes_again_what_the_old_code_made(built, tmp_path):
     model = code / "lib/draft/model.py"
     loss = "loss = loss + step_loss_decay**k * objective_sum / max(denominator, 1)"
     assert loss in model.read_text()
-    model.write_text(model.read_text().replace(loss, loss.replace("objective_sum", "1.5 * objective_sum")))
+    model.write_text(
+        model.read_text().replace(loss, loss.replace("objective_sum", "1.5 * objective_sum"))
+    )
 
     dry = snakemake(copy, "-n", "draft_ckpt")
     assert re.search(r"when extraction runs, it computes all \d+ of them again", dry.stdout)

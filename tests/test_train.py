@@ -44,6 +44,7 @@ from workflow_scripts.lib.draft.model import (
 )
 from workflow_scripts.lib.training import trainer
 from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.stages import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -792,3 +793,111 @@ def test_two_gloo_processes_train_the_same_model_as_one(inputs, tmp_path):
     _, w_two = read_draft_checkpoint(tmp_path / "two" / "draft")
     for name in w_one:
         torch.testing.assert_close(w_two[name], w_one[name], atol=1e-4, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- train.init_from
+
+
+def published_copy(draft: Path, dst: Path, keep_tokens: int) -> Path:
+    """The draft as a published one may ship: EAGLE-3's first tensor names (midlayer.), no
+    embedding, and a draft vocabulary of its own (the first ``keep_tokens`` of this one's, in
+    reverse order, and as many tokens this one lacks)."""
+    config, tensors = read_draft_checkpoint(draft)
+    tokens = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+    kept = tokens[:keep_tokens].flip(0)
+    others = torch.tensor([t for t in range(len(tensors["t2d"])) if t not in set(tokens.tolist())])
+    theirs = torch.cat([kept, others[:keep_tokens]]).sort().values
+    row = {int(t): i for i, t in enumerate(tokens.tolist())}
+    head = torch.stack(
+        [
+            tensors["lm_head.weight"][row[int(t)]] if int(t) in row else torch.zeros(64)
+            for t in theirs
+        ]
+    )
+    out = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+        for k, v in tensors.items()
+        if k not in ("embed_tokens.weight", "d2t", "t2d", "lm_head.weight")
+    }
+    out["lm_head.weight"] = head
+    out["d2t"] = theirs - torch.arange(len(theirs))
+    dst.mkdir(parents=True)
+    save_file(out, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps({**config, "draft_vocab_size": len(theirs)}))
+    return dst
+
+
+def test_training_starts_from_an_existing_draft(inputs, tmp_path):
+    """train.init_from: the draft as training builds it takes the old draft's weights (EAGLE-3's
+    first tensor names read as layers.0), its lm_head rows by token for the tokens both draft
+    vocabularies hold (the verifier's rows for the rest), and training from it starts where the
+    old draft ended, far below the loss of a start from nothing."""
+    from workflow_scripts.lib.training import inputs as training_inputs
+    from workflow_scripts.lib.training import setup as training_setup
+    from workflow_scripts.lib.workflow import cli
+
+    cold = tmp_path / "cold"
+    train.main(inputs.args(cold, epochs=6, **FAST))
+    published = published_copy(cold / "draft", tmp_path / "published", keep_tokens=40)
+
+    io, p = cli.parse("train", inputs.args(tmp_path / "warm", init_from=str(published), **FAST))
+    checked = training_inputs.check_inputs(io, p, verify_checksums=False)
+    model, _ = training_setup.build_draft(checked, p)
+    _, old = read_draft_checkpoint(cold / "draft")
+    start = model.checkpoint_state_dict()
+    for name, tensor in old.items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            torch.testing.assert_close(start[name], tensor, msg=name)
+    start_cold, _ = training_setup.build_draft(
+        checked, cli.parse("train", inputs.args(tmp_path))[1]
+    )
+    head, head_cold = start["lm_head.weight"], start_cold.lm_head.weight
+    for i in range(len(checked.d2t)):  # this draft's vocabulary is the old one's
+        expected = old["lm_head.weight"][i] if i < 40 else head_cold[i]
+        torch.testing.assert_close(head[i], expected, msg=f"row {i}")
+
+    train.main(inputs.args(tmp_path / "warm", init_from=str(published), epochs=1, **FAST))
+    first_cold = read_metrics(cold / "metrics.jsonl")[0]["loss"]
+    last_cold = read_metrics(cold / "metrics.jsonl")[-1]["loss"]
+    first_warm = read_metrics(tmp_path / "warm" / "metrics.jsonl")[0]["loss"]
+    assert first_warm < 0.5 * (first_cold + last_cold), (first_cold, first_warm, last_cold)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"num_draft_layers": 2},
+            r"its number of layers: 1 where training's is 2; set train\.num_draft_layers",
+        ),
+        (
+            {"draft_layer": "qwen3"},
+            r"its layer: 'llama' where training's is 'qwen3'; set train\.draft_layer",
+        ),
+        (
+            {"norm_output": True},
+            r"norm_output: False where training's is True; set train\.norm_output",
+        ),
+        (
+            {"aux": [0, 1, 3]},
+            r"auxiliary layers: \[1, 2, 3\] where extraction's is \[0, 1, 3\]; set extract\.aux_layer_ids: \[1, 2, 3\]",
+        ),
+        (
+            {"hidden_size": 32},
+            r"its hidden_size: 64 where the verifier's is 32; it is a draft of another verifier",
+        ),
+    ],
+)
+def test_a_draft_training_cannot_start_from_is_refused(inputs, tmp_path, change, message):
+    """train.init_from's check (the dry-run's and the job's) names each mismatch and its fix."""
+    from workflow_scripts.lib.training.init_from import check_init_draft
+
+    cold = tmp_path / "cold"
+    train.main(inputs.args(cold, epochs=1, **FAST))
+    vcfg = verifier_files.verifier_config(inputs.verifier)
+    check_init_draft(cold / "draft", TrainParams(), vcfg, [1, 2, 3])  # the same shape: taken
+    aux = change.pop("aux", [1, 2, 3])
+    if "hidden_size" in change:
+        vcfg = {**vcfg, "hidden_size": change.pop("hidden_size")}
+    with pytest.raises(UserError, match=message):
+        check_init_draft(cold / "draft", TrainParams(**change), vcfg, aux)

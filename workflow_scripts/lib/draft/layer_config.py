@@ -1,7 +1,9 @@
 """The draft's decoder layer, stated from the verifier's config rather than copied from it.
 
 The draft's decoder layer (``transformer_layer_config`` in its checkpoint, what vLLM builds it
-from; ``num_hidden_layers`` of them, ``train.num_draft_layers``). From the verifier it takes its
+from; ``num_hidden_layers`` of them, ``train.num_draft_layers``): a Llama layer, or with
+``train.draft_layer: qwen3`` a Qwen3 layer (the Llama layer plus an RMSNorm over each query and
+key head before RoPE, ``q_norm`` and ``k_norm``; vLLM serves it as ``Eagle3Qwen3ForCausalLM``). From the verifier it takes its
 width (hidden size, MLP width, attention heads and key/value heads), its norm epsilon,
 vocabulary and positions; the rest is chosen here and written explicitly:
 
@@ -83,25 +85,39 @@ def head_dim(vcfg: dict[str, Any]) -> int:
     return int(vcfg["hidden_size"]) // int(vcfg["num_attention_heads"])
 
 
-def llama_layer_config(verifier_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The draft's decoder layer as a one-layer Llama config (transformers' dict form): what the
-    checkpoint stores as ``transformer_layer_config`` and what the draft is built from."""
-    from transformers import LlamaConfig
+DRAFT_LAYERS = ("llama", "qwen3")
+
+
+def draft_layer_config(verifier_cfg: dict[str, Any], layer: str = "llama") -> dict[str, Any]:
+    """The draft's decoder layer as a one-layer config of ``layer`` (llama or qwen3, in
+    transformers' dict form): what the checkpoint stores as ``transformer_layer_config`` and what
+    the draft is built from."""
+    from transformers import LlamaConfig, Qwen3Config
 
     kwargs = {k: verifier_cfg[k] for k in SHAPE_KEYS if verifier_cfg.get(k) is not None}
     kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
-    cfg = LlamaConfig(
-        **kwargs,
+    common = dict(
         head_dim=head_dim(verifier_cfg),
         rope_parameters=rope_parameters(verifier_cfg),
         num_hidden_layers=1,
         hidden_act="silu",
         attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=False,
     )
-    cfg.architectures = ["LlamaForCausalLM"]
+    if layer == "llama":
+        cfg = LlamaConfig(**kwargs, **common, mlp_bias=False)
+        cfg.architectures = ["LlamaForCausalLM"]
+    elif layer == "qwen3":  # every layer full attention (layer_types), no sliding window
+        cfg = Qwen3Config(**kwargs, **common, use_sliding_window=False, sliding_window=None)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    else:
+        raise ValueError(f"unknown draft layer {layer!r}; one of {', '.join(DRAFT_LAYERS)}")
     out = cfg.to_dict()
     for generic in GENERIC_CONFIG_KEYS:
         out.pop(generic, None)
     return out
+
+
+def llama_layer_config(verifier_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The draft's decoder layer as a one-layer Llama config (``draft_layer_config``)."""
+    return draft_layer_config(verifier_cfg, "llama")

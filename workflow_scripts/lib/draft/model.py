@@ -1,6 +1,7 @@
 """The EAGLE-3 draft model and its training-time-test (TTT) loss, laid out as vLLM serves it.
 
-The draft is a Llama decoder layer that reads the verifier's features (names as in the
+The draft is a Llama decoder layer (or a Qwen3 one: the same with ``q_norm`` and ``k_norm``, an
+RMSNorm over each query and key head before RoPE) that reads the verifier's features (names as in the
 checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
 
     g      = fc(fc_norm(input_norm(concat(aux_1, ..., aux_m))))  # step 0: the features, [H]
@@ -80,6 +81,7 @@ class DraftConfig:
     fc_norm: bool = False
     attention: str = "llama"  # or "mla": the verifier's multi-head latent attention (mla.py)
     num_layers: int = 1  # decoder layers; the first reads the embedding and the features
+    qk_norm: bool = False  # the Qwen3 layer: an RMSNorm over each query and key head before RoPE
     layer_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -95,6 +97,9 @@ class DraftConfig:
         num_layers: int = 1,
     ) -> "DraftConfig":
         c = layer_config
+        layer_config = {**layer_config, "num_hidden_layers": num_layers}
+        if "layer_types" in layer_config:  # one per layer (Qwen3's config lists them)
+            layer_config["layer_types"] = ["full_attention"] * num_layers
         return cls(
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
@@ -110,7 +115,8 @@ class DraftConfig:
             fc_norm=fc_norm,
             attention=attention,
             num_layers=num_layers,
-            layer_config={**layer_config, "num_hidden_layers": num_layers},
+            qk_norm=c.get("model_type") == "qwen3",
+            layer_config=layer_config,
         )
 
 
@@ -128,6 +134,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.dense = False  # True: the quadratic reference attention (tests, benchmark)
 
     def forward(self, x, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -138,6 +148,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm:  # the Qwen3 layer
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.append((k, v))
         out = (dense_ttt_attention if self.dense else ttt_attention)(q, cache)

@@ -28,6 +28,7 @@ from workflow_scripts.lib.common import (
     format_seconds,
     sha256_file,
 )
+from workflow_scripts.lib.training import init_from
 from workflow_scripts.lib.hidden_states import shards
 from workflow_scripts.lib.hidden_states.manifest import (
     LAYER_CONVENTION,
@@ -239,6 +240,7 @@ def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
         "manifest": sha256_file(io.manifest),
         "vocab_map": sha256_file(io.vocab_map),
         "verifier": verifier_files.fingerprint(io.verifier),
+        "init_from": [sha256_file(f) for f in init_from.files(p.init_from)],
     }
     code = stage_fingerprint("train")
     blob = json.dumps({"settings": settings, "files": files, "code": code}, sort_keys=True)
@@ -279,6 +281,8 @@ def check_inputs(
             "latent attention (no kv_lora_rank and qk_rope_head_dim in its config): an MLA "
             "draft takes the verifier's MLA shape; set train.draft_attention: llama"
         )
+    if p.init_from is not None:
+        init_from.check_init_draft(p.init_from, p, vcfg, sorted(manifest["aux_layer_ids"]))
     if p.ttt_steps < p.num_speculative_tokens:
         log.warning(
             "train.ttt_steps (%d) is below num_speculative_tokens (%d): the later draft tokens "

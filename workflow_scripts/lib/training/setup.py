@@ -6,6 +6,7 @@ checkpoint vLLM serves.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from workflow_scripts.lib.draft.checkpoint import (
     speculators_config,
     write_draft_checkpoint,
 )
-from workflow_scripts.lib.draft.layer_config import llama_layer_config
+from workflow_scripts.lib.training.init_from import load_init_weights
+from workflow_scripts.lib.draft.layer_config import draft_layer_config
 from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft, TeacherHead
 from workflow_scripts.lib.draft.teacher_head import HeadSpec
 from workflow_scripts.lib.training.data import MicroBatch
@@ -26,6 +28,8 @@ from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import made_by
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.registry import TrainIO
+
+log = logging.getLogger("eagle3")
 
 
 def lr_factor(
@@ -139,7 +143,7 @@ def build_draft(
     them (``HeadSpec``), the draft as its starting point (its own norm is a plain RMSNorm, as
     vLLM serves it: started at the verifier's weight plus the family's offset, the same norm).
     The embedding is the verifier's, frozen (``embed_dtype`` None keeps the verifier's dtype)."""
-    layer_config = llama_layer_config(inputs.verifier_cfg)
+    layer_config = draft_layer_config(inputs.verifier_cfg, p.draft_layer)
     if p.draft_attention == "mla":
         from workflow_scripts.lib.draft.mla import mla_layer_config
 
@@ -169,7 +173,9 @@ def build_draft(
         model.lm_head.weight.copy_(head_rows)
         if p.final_norm_init == "verifier":
             model.norm.weight.copy_(norm + spec.norm_offset)
-    if p.freeze_lm_head:  # the verifier's rows, as they are
+    if p.init_from is not None:  # an existing draft's weights (draft/init_from.py)
+        log.info(load_init_weights(model, p.init_from, inputs.d2t))
+    if p.freeze_lm_head:  # the verifier's rows, as they are (or the draft's it starts from)
         model.lm_head.weight.requires_grad_(False)
     teacher = TeacherHead(
         norm,

@@ -90,9 +90,10 @@ DOCS = {
             "loss", "lk_eta", "optimizer", "muon_*", "lr_schedule", "min_lr_ratio", "fc_norm",
             "norm_before_fc", "norm_output", "freeze_lm_head", "final_norm_init", "aux_noise",
             "loss_positions", "ttt_step_loss_decay", "topk_loss_*", "ttt_positions",
-            "num_draft_layers",
+            "num_draft_layers", "draft_layer",
         )
     },  # fmt: skip
+    "train.init_from": "docs/training.md#starting-from-an-existing-draft",
     "train.draft_attention": "docs/verifier-families.md#mla-drafts-deepseek-kimi",
     "train.checkpoint_every_steps": "README.md#after-a-crash",
     **{

@@ -32,6 +32,12 @@ class TrainParams(StageParams):
                 "EAGLE-3 draft has one layer; set train.num_draft_layers: 1 or "
                 "train.draft_attention: llama"
             )
+        if self.draft_attention == "mla" and self.draft_layer != "llama":
+            raise ValueError(
+                f"train.draft_layer {self.draft_layer} with train.draft_attention mla: vLLM "
+                "serves an MLA EAGLE-3 draft as one DeepSeek layer only; set "
+                "train.draft_layer: llama or train.draft_attention: llama"
+            )
         if self.draft_attention == "mla" and self.fc_norm:
             raise ValueError(
                 "train.fc_norm with train.draft_attention mla: the per-layer fc norms are written "
@@ -154,6 +160,22 @@ class TrainParams(StageParams):
         "format), or mla (multi-head latent attention with the verifier's MLA shape, for "
         "DeepSeek-V3 and Kimi-K2 verifiers: a smaller KV cache, the verifier's attention "
         "backend; written as vLLM's Eagle3DeepseekV2ForCausalLM checkpoint).",
+    )
+    draft_layer: Literal["llama", "qwen3"] = Field(
+        "llama",
+        description="The draft's decoder layer: llama, or qwen3 (the Llama layer with an "
+        "RMSNorm over each query and key head before RoPE, as Qwen3 has; written with "
+        "model_type qwen3 in transformer_layer_config, which vLLM serves as "
+        "Eagle3Qwen3ForCausalLM). With draft_attention mla the layer is DeepSeek's.",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from an existing draft instead of from nothing: the directory of an "
+        "EAGLE-3 draft for this verifier (speculators format: config.json and .safetensors; one "
+        "this workflow trained, copied out of results_dir, or a published one). Checked at "
+        "dry-run against the verifier, train.draft_layer, train.num_draft_layers, the EAGLE-3.1 "
+        "options and extract.aux_layer_ids; its lm_head rows are taken for the tokens both draft "
+        "vocabularies hold. A change of its files reruns train.",
     )
     epochs: int = Field(10, ge=1, description="Passes over the training split.")
     shuffle_window_shards: int | None = Field(
