@@ -15,8 +15,8 @@ from snakemake.settings.types import DeploymentMethod
 WORKFLOW_DIR = Path(workflow.basedir)
 sys.path.insert(0, str(WORKFLOW_DIR))
 from workflow_scripts.lib.common import UserError, atomic_path
-from workflow_scripts.lib.training import init_from
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
+from workflow_scripts.lib.training import init_from
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config

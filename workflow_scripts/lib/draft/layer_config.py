@@ -3,9 +3,9 @@
 The draft's decoder layer (``transformer_layer_config`` in its checkpoint, what vLLM builds it
 from; ``num_hidden_layers`` of them, ``train.num_draft_layers``): a Llama layer, or with
 ``train.draft_layer: qwen3`` a Qwen3 layer (the Llama layer plus an RMSNorm over each query and
-key head before RoPE, ``q_norm`` and ``k_norm``; vLLM serves it as ``Eagle3Qwen3ForCausalLM``). From the verifier it takes its
-width (hidden size, MLP width, attention heads and key/value heads), its norm epsilon,
-vocabulary and positions; the rest is chosen here and written explicitly:
+key head before RoPE, ``q_norm`` and ``k_norm``; vLLM serves it as ``Eagle3Qwen3ForCausalLM``).
+From the verifier it takes its width (hidden size, MLP width, attention heads and key/value
+heads), its norm epsilon, vocabulary and positions; the rest is chosen here and written explicitly:
 
 * ``head_dim``: the verifier's where its config has one, else hidden_size / num_attention_heads;
   for MLA verifiers (DeepSeek-V3, Kimi-K2) always the latter: their queries and keys are

@@ -1,8 +1,8 @@
 """The EAGLE-3 draft model and its training-time-test (TTT) loss, laid out as vLLM serves it.
 
 The draft is a Llama decoder layer (or a Qwen3 one: the same with ``q_norm`` and ``k_norm``, an
-RMSNorm over each query and key head before RoPE) that reads the verifier's features (names as in the
-checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
+RMSNorm over each query and key head before RoPE) that reads the verifier's features (names as in
+the checkpoint; H = verifier hidden size, K = draft vocabulary, m = auxiliary layers):
 
     g      = fc(fc_norm(input_norm(concat(aux_1, ..., aux_m))))  # step 0: the features, [H]
     x      = concat(input_layernorm(embed(token)), hidden_norm(g))          # [2H]

@@ -18,14 +18,11 @@ start matters only at step 0, and the draft's files are part of what a state mus
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier.files import default_aux_layer_ids
-
-log = logging.getLogger("eagle3")
 
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 LEGACY_PREFIX = ("midlayer.", "layers.0.")  # EAGLE-3's first checkpoints named layer 0 so
@@ -106,8 +103,9 @@ def check_init_draft(
     for key in ("hidden_size", "vocab_size"):
         differs(f"its {key}", shape.get(key), vcfg.get(key), other, "the verifier's")
     if layer != "mla":
-        differs("its target_hidden_size", config.get("target_hidden_size", shape.get("hidden_size")),
-                vcfg.get("hidden_size"), other, "the verifier's hidden_size")  # fmt: skip
+        target = config.get("target_hidden_size", shape.get("hidden_size"))
+        differs("its target_hidden_size", target, vcfg.get("hidden_size"), other,
+                "the verifier's hidden_size")  # fmt: skip
     layers = 1 if layer == "mla" else shape.get("num_hidden_layers")
     differs("its number of layers", layers, p.num_draft_layers, "set train.num_draft_layers")
     ids = config.get("eagle_aux_hidden_state_layer_ids")
@@ -155,6 +153,12 @@ def load_init_weights(model, directory: Path | str, d2t) -> str:
             f"train.init_from {directory}: the draft has no {', '.join(missing[:4])}"
             f"{' ...' if len(missing) > 4 else ''} (tensors training's draft has)"
         )
+    ignored = sorted(set(theirs) - set(ours) - set(NOT_TRAINED))
+    if ignored:
+        raise UserError(
+            f"train.init_from {directory}: the draft has tensors training's draft has not "
+            f"({', '.join(ignored[:4])}); its shape or options differ from train's settings"
+        )
     head_rows = 0
     with torch.no_grad():
         for name, tensor in ours.items():
@@ -170,12 +174,6 @@ def load_init_weights(model, directory: Path | str, d2t) -> str:
                     f"training's draft {tuple(tensor.shape)}"
                 )
             tensor.copy_(source.to(tensor.dtype))
-    ignored = sorted(set(theirs) - set(ours) - set(NOT_TRAINED))
-    if ignored:
-        raise UserError(
-            f"train.init_from {directory}: the draft has tensors training's draft has not "
-            f"({', '.join(ignored[:4])}); its shape or options differ from train's settings"
-        )
     return (
         f"started from the draft in {directory}: {len(ours)} tensors, lm_head rows of "
         f"{head_rows} of the {len(d2t)} draft tokens (the rest: the verifier's)"
