@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,50 +84,156 @@ DEMO_OUTPUTS = {
 }
 
 
+class Builds:
+    """The session's builds, made in the background by one thread, step after step (a step is
+    one Snakemake run), from the session's start: the tests that need no build run meanwhile
+    (they are ordered first, see pytest_collection_modifyitems), on the cores that a build
+    leaves idle while it loads models, starts processes and plans. A fixture that needs a step
+    waits for it; a step nobody asked for at the start is made when first asked for."""
+
+    # step -> (build, the Snakemake targets); a build's steps run in this order
+    STEPS = {
+        "full_demo": (
+            "full",
+            [DEMO_OUTPUTS["verifier"] + "/config.json", *list(DEMO_OUTPUTS.values())[1:]],
+        ),
+        "full_evaluate": ("full", ["evaluate"]),
+        "mechanics_evaluate": ("mechanics", ["evaluate"]),
+    }
+    # the session-build fixture -> the steps it needs
+    NEEDS = {
+        "demo_build": ("full_demo",),
+        "full_build": ("full_demo", "full_evaluate"),
+        "mechanics_build": ("mechanics_evaluate",),
+        "one_node_draft": ("mechanics_evaluate",),
+    }
+
+    def __init__(self, workdirs: dict[str, Path]):
+        self.workdirs = workdirs
+        self.lock = threading.Lock()
+        self.queue: queue.Queue = queue.Queue()
+        self.done: dict[str, threading.Event] = {}
+        self.errors: dict[str, str] = {}
+        self.proc: subprocess.Popen | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._work, name="session-builds", daemon=True)
+        self.thread.start()
+
+    def schedule(self, fixtures) -> None:
+        """Queues the steps the fixtures named need (in STEPS' order), each once."""
+        wanted = {step for name in fixtures for step in self.NEEDS.get(name, ())}
+        with self.lock:
+            for step in self.STEPS:
+                if step in wanted and step not in self.done:
+                    self.done[step] = threading.Event()
+                    self.queue.put(step)
+
+    def wait(self, fixture: str) -> None:
+        """Returns once the steps ``fixture`` needs are made; raises if one failed."""
+        self.schedule([fixture])
+        for step in self.NEEDS[fixture]:
+            self.done[step].wait()
+            if step in self.errors:
+                raise AssertionError(f"session build step {step}: {self.errors[step]}")
+
+    def _work(self) -> None:
+        while (step := self.queue.get()) is not None:
+            try:
+                self._make(step)
+            except Exception as exc:  # a waiting fixture gets the error instead of waiting on
+                self.errors[step] = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.done[step].set()
+
+    def _make(self, step: str) -> None:
+        from tests.workflow_runner import env, failure, snakemake_command
+
+        build, targets = self.STEPS[step]
+        cmd = snakemake_command("--cores", "2", *targets)
+        with self.lock:
+            why_not = "the session ended" if self.stopped else None
+            if any(self.STEPS[s][0] == build for s in self.errors):
+                why_not = "an earlier step of its build failed"
+            if why_not is not None:
+                self.errors[step] = f"not made: {why_not}"
+                return
+            proc = self.proc = subprocess.Popen(
+                cmd,
+                cwd=self.workdirs[build],
+                env=env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # stop() ends the step's whole process group
+            )
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            self.errors[step] = failure(
+                cmd, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            )
+
+    def stop(self) -> None:
+        """Ends the step under way (a session that stops early) and the thread."""
+        with self.lock:
+            self.stopped = True
+            if self.proc is not None and self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+        self.queue.put(None)
+        self.thread.join(timeout=120)
+
+
 @pytest.fixture(scope="session")
-def full_workflow(tmp_path_factory) -> Path:
-    """A copy of the workflow with FULL_CONFIG (tests may edit its files and config, and must
-    restore them)."""
+def builds(tmp_path_factory) -> Builds:
     from tests.workflow_runner import copy_workflow
 
-    return copy_workflow(tmp_path_factory.mktemp("full"), FULL_CONFIG)
+    mechanics = copy_workflow(tmp_path_factory.mktemp("mechanics"), MECHANICS_CONFIG)
+    (mechanics / "mt_bench_questions.jsonl").write_text(
+        "".join(json.dumps({"question_id": i, "turns": t}) + "\n" for i, t in enumerate(TWO_TURNS))
+    )
+    full = copy_workflow(tmp_path_factory.mktemp("full"), FULL_CONFIG)
+    made = Builds({"full": full, "mechanics": mechanics})
+    yield made
+    made.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_builds(request, builds) -> None:
+    """Starts, before the first test, the builds that the session's tests need."""
+    builds.schedule(
+        {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    )
 
 
 @pytest.fixture(scope="session")
-def demo_build(full_workflow) -> dict[str, Path]:
+def full_workflow(builds) -> Path:
+    """The copy of the workflow with FULL_CONFIG that demo_build and full_build are built in
+    (tests may edit its files and config, and must restore them)."""
+    return builds.workdirs["full"]
+
+
+@pytest.fixture(scope="session")
+def demo_build(builds) -> dict[str, Path]:
     """The full-size embedded default's verifier and data, built by the workflow's demo rule
     (about 5 CPU minutes): {'verifier': dir, 'chat_data': jsonl, 'eval_prompts': jsonl}."""
-    from tests.workflow_runner import snakemake
-
-    files = {name: full_workflow / rel for name, rel in DEMO_OUTPUTS.items()}
-    targets = [DEMO_OUTPUTS["verifier"] + "/config.json", *list(DEMO_OUTPUTS.values())[1:]]
-    snakemake(full_workflow, "--cores", "2", *targets)
-    return files
+    builds.wait("demo_build")
+    return {name: builds.workdirs["full"] / rel for name, rel in DEMO_OUTPUTS.items()}
 
 
 @pytest.fixture(scope="session")
-def full_build(full_workflow, demo_build) -> tuple[Path, dict]:
+def full_build(builds) -> tuple[Path, dict]:
     """The full-size embedded default built to the ``evaluate`` target: (workflow directory, its
     config). Tests read it and must leave it as they found it."""
-    from tests.workflow_runner import snakemake
-
-    snakemake(full_workflow, "--cores", "2", "evaluate")
-    return full_workflow, FULL_CONFIG
+    builds.wait("full_build")
+    return builds.workdirs["full"], FULL_CONFIG
 
 
 @pytest.fixture(scope="session")
-def mechanics_build(tmp_path_factory) -> tuple[Path, dict]:
+def mechanics_build(builds) -> tuple[Path, dict]:
     """The mechanics build: MECHANICS_CONFIG built to the ``evaluate`` target, every stage run
     (about 2 CPU minutes): (workflow directory, its config). Tests that change it restore it,
     but for tests/test_reruns.py's last one, which leaves its evaluation stale."""
-    from tests.workflow_runner import copy_workflow, snakemake
-
-    work = copy_workflow(tmp_path_factory.mktemp("mechanics"), MECHANICS_CONFIG)
-    (work / "mt_bench_questions.jsonl").write_text(
-        "".join(json.dumps({"question_id": i, "turns": t}) + "\n" for i, t in enumerate(TWO_TURNS))
-    )
-    snakemake(work, "--cores", "2", "evaluate")
-    return work, MECHANICS_CONFIG
+    builds.wait("mechanics_build")
+    return builds.workdirs["mechanics"], MECHANICS_CONFIG
 
 
 @pytest.fixture(scope="session")
@@ -157,8 +267,21 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {meaning}")
 
 
+# The order of the modules: those that need no session build first (they run while the builds
+# are made), then by the build they need, in the order the builds are made: the demo's, the full
+# build's, the mechanics build's. Within a rank the modules keep their order, and a module's tests
+# theirs (tests/test_reruns.py's last test leaves the mechanics build's evaluation stale, and
+# runs after the other modules that read that build, as in alphabetical order).
+RANKS = {"demo_build": 1, "full_build": 2, "mechanics_build": 3, "one_node_draft": 3}
+
+
 def pytest_collection_modifyitems(items):
+    rank: dict[str, int] = {}
     for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
         tiers = {m.name for m in item.iter_markers()}
-        if tiers & {"engine", "workflow"} or BUILDS & set(getattr(item, "fixturenames", ())):
+        if tiers & {"engine", "workflow"} or BUILDS & fixtures:
             item.add_marker(pytest.mark.slow)
+        module = item.nodeid.split("::")[0]
+        rank[module] = max([rank.get(module, 0), *(RANKS.get(f, 0) for f in fixtures)])
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: the order within

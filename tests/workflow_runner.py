@@ -51,18 +51,27 @@ def env() -> dict:
     return env
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [
+def snakemake_command(*args: str) -> list[str]:
+    """This environment's Snakemake with ``args``, on the copy's test_config.yaml."""
+    return [
         str(Path(sys.executable).parent / "snakemake"),
         *args,
         "--configfile",
         "test_config.yaml",
     ]
+
+
+def failure(cmd: list[str], proc: subprocess.CompletedProcess) -> str:
+    return (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = snakemake_command(*args)
     proc = subprocess.run(cmd, cwd=workdir, env=env(), capture_output=True, text=True)
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
+        raise AssertionError(failure(cmd, proc))
     return proc
 
 
