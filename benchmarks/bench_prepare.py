@@ -20,6 +20,16 @@ average after each round (its own processes included: about 1 while one process 
 two do; more means other work).
 
     .venv/bin/python benchmarks/bench_prepare.py [--conversations 100000] [--processes 1 2]
+
+With --turns (8 32 128, say): agentic conversations instead, of one user request answered over
+that many assistant turns (reasoning and a tool call each, then its result; a final answer),
+each of --turn-tokens tokens whatever the turns, --conversations of them per turn count, in one
+process. Each turn count's file is tokenized as prepare does and as it did with every served
+prompt tokenized whole (chat/turns.py's ``whole``), alternately: per turn count the tokens per
+second of both, the ratio of each rate to the fewest turns', and whether both wrote the same
+bytes.
+
+    .venv/bin/python benchmarks/bench_prepare.py --turns 8 32 128 --conversations 40
 """
 
 from __future__ import annotations
@@ -157,6 +167,78 @@ def conversation(text: Text, rng: random.Random, i: int) -> dict:
     return row
 
 
+def agentic(text: Text, rng: random.Random, i: int, turns: int, tokens: int) -> dict:
+    """One request answered over ``turns`` assistant turns, ``tokens`` tokens in all: each turn
+    but the last reasons and calls a tool, whose result follows; the last answers."""
+    per = tokens * 9 // 10 // turns
+    messages = [
+        {"role": "system", "content": text(60)},
+        {"role": "user", "content": text(tokens // 20)},
+    ]
+    for turn in range(turns - 1):
+        tool = TOOLS[turn % len(TOOLS)]["function"]
+        key = next(iter(tool["parameters"]["properties"]))
+        call = {"id": f"call_{i}_{turn}", "type": "function",
+                "function": {"name": tool["name"], "arguments": {key: text(8)[:60]}}}  # fmt: skip
+        messages.append(
+            {"role": "assistant", "reasoning_content": text(per * 4 // 10), "content": "",
+             "tool_calls": [call]}  # fmt: skip
+        )
+        messages.append({"role": "tool", "tool_call_id": call["id"], "name": tool["name"],
+                         "content": text(per * 5 // 10)})  # fmt: skip
+    messages.append(assistant(text, per, "reasoning_content"))
+    return {"id": f"agentic-{turns}-{i:05d}", "messages": messages, "tools": TOOLS}
+
+
+def run_turns(args, work: Path) -> None:
+    """--turns: the agentic conversations of each turn count, tokenized as prepare does and
+    with every prompt whole, alternately; the table."""
+    from workflow_scripts.lib.chat import dataset, turns as chat_turns
+
+    paragraphs = [p for doc in read_documents(["networkx"]) for p in doc.paragraphs]
+    rng = random.Random(f"bench-prepare-turns-{args.seed}")
+    text = Text(paragraphs, rng)
+    files = {}
+    for n in args.turns:
+        files[n] = work / f"agentic_{n}.jsonl"
+        rows = [agentic(text, rng, i, n, args.turn_tokens) for i in range(args.conversations)]
+        files[n].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sample = [json.loads(line) for f in files.values() for line in f.read_text().splitlines()]
+    verifier = build_verifier(work / "verifier", sample[:TOKENIZER_SAMPLE])
+    linear = dataset.conversation_turns
+    whole = partial(chat_turns.conversation_turns, whole=True)
+    results = {}
+    for n, path in files.items():
+        for name, turns_of in (("linear", linear), ("whole", whole)):
+            dataset.conversation_turns = turns_of
+            try:
+                results[n, name] = run(path, verifier, 1, 1 << 20, work / "out.jsonl")
+            finally:
+                dataset.conversation_turns = linear
+            r = results[n, name]
+            print(f"{n} turns, {name}: {r['stats']['tokens'] / r['seconds']:,.0f} tokens/s",
+                  flush=True)  # fmt: skip
+    first = args.turns[0]
+
+    def rate(n: int, name: str) -> float:
+        r = results[n, name]
+        return r["stats"]["tokens"] / r["seconds"]
+
+    print(f"\n{args.conversations} conversations of {args.turn_tokens} tokens per turn count, "
+          "one process\n")  # fmt: skip
+    print("| turns | tokens written | rows | tokens/s | tokens/s, every prompt whole | "
+          f"rate against {first} turns | whole: against {first} turns | same bytes |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for n in args.turns:
+        stats = results[n, "linear"]["stats"]
+        same = results[n, "linear"]["sha256"] == results[n, "whole"]["sha256"]
+        print(
+            f"| {n} | {stats['tokens']:,} | {stats['rows_out']} | {rate(n, 'linear'):,.0f} | "
+            f"{rate(n, 'whole'):,.0f} | {rate(first, 'linear') / rate(n, 'linear'):.2f}x slower | "
+            f"{rate(first, 'whole') / rate(n, 'whole'):.2f}x slower | {same} |"
+        )
+
+
 def write_data(work: Path, n: int, rounds: int, seed: int) -> tuple[list[Path], list[dict]]:
     """The ``n`` conversations, as ``rounds`` chat files of about equal size; and the first
     TOKENIZER_SAMPLE conversations."""
@@ -223,8 +305,16 @@ def main() -> None:
     parser.add_argument("--max-seq-len-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary one")
+    parser.add_argument(
+        "--turns", type=int, nargs="+", help="agentic conversations of these turn counts instead"
+    )
+    parser.add_argument("--turn-tokens", type=int, default=16000, help="with --turns: tokens each")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.turns:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            run_turns(args, Path(tmp))
+        return
 
     seconds = {n: 0.0 for n in args.processes}
     cpu = {n: 0.0 for n in args.processes}

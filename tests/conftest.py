@@ -64,14 +64,14 @@ MECHANICS_CONFIG = {
     "prepare": {"max_seq_len_tokens": 384},
     "vocab": {"draft_vocab_size": 256},
     "train": {"epochs": 2},
-    # the demo's held-out prompts, HumanEval's first and two of two turns in MT-Bench's layout
-    # (each reported on its own)
+    # the demo's held-out prompts, HumanEval's first (8 tokens generated each) and two of two
+    # turns in MT-Bench's layout (each reported on its own)
     "eval_prompts": [
         {"set": "demo"},
-        {"set": "humaneval"},
+        {"set": "humaneval", "max_new_tokens": 8},
         {"set": "mt_bench", "path": "mt_bench_questions.jsonl"},
     ],
-    "evaluate": {"max_new_tokens": 16, "max_prompts": 4},
+    "evaluate": {"max_new_tokens": 16, "max_prompts": 4, "context_buckets_tokens": [128, 256]},
 }
 TWO_TURNS = [  # MT-Bench's layout: the second turn is served after the verifier's own answer
     ["What is the capital of France?", "And what is the capital of Italy?"],

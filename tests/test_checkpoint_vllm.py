@@ -2,8 +2,8 @@
 embedded demo verifier: they load, generate the verifier's own greedy text, and their acceptance
 is clearly above an untrained draft's of the same shape. This is the proof that layer ids,
 shifts, d2t and norms line up between training and serving, with and without EAGLE-3.1's
-options (speculators' norm_before_fc and vLLM's fc_norm, and norm_output) and a second draft
-layer.
+options (speculators' norm_before_fc and vLLM's fc_norm, and norm_output), a second draft
+layer, and a sliding window in one of them.
 
 The vLLM part runs in a subprocess: this file, run as a script on a JSON request file, generates
 and writes vLLM's speculative-decoding counters back into that file.
@@ -43,6 +43,7 @@ def spec_decode(verifier: str, draft: str, prompts: list[list[int]], max_tokens:
         SamplingParams(temperature=0.0, max_tokens=max_tokens),
     )
     counters = {}
+    windows = llm.collective_rpc(draft_windows)[0]  # the first worker's: one here
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
             counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", 0)
@@ -52,13 +53,22 @@ def spec_decode(verifier: str, draft: str, prompts: list[list[int]], max_tokens:
         "counters": counters,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+        "draft_windows": windows,
     }
+
+
+def draft_windows(worker) -> list[int]:
+    """In vLLM's worker: the sliding window each layer of the draft it serves attends in (-1:
+    none), as its attention kernels are given it."""
+    layers = worker.model_runner.drafter.model.model.layers
+    return [int(layer.self_attn.attn.impl.sliding_window) for layer in layers]
 
 
 def run_spec_decode(verifier: Path, drafts: list[Path], prompts, max_tokens: int) -> list[dict]:
     """spec_decode for each draft, each in its own process, all at once."""
     vllm_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     vllm_env["PYTHONPATH"] = str(ROOT)
+    vllm_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # draft_windows sent to the worker
     procs = []
     for draft in drafts:
         request = draft.with_name(draft.name + ".vllm.json")
@@ -98,6 +108,7 @@ def run_spec_decode(verifier: Path, drafts: list[Path], prompts, max_tokens: int
 # --------------------------------------------------------------------------- the test
 
 EPOCHS_31 = 2  # of the full-size default's shards: enough for a clearly useful draft
+WINDOW = 32  # the 3.1 draft's first layer's sliding window (tokens)
 
 
 def _prompts(demo, n: int) -> list[list[int]]:
@@ -151,9 +162,10 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     assert torch.equal(shipped["embed_tokens.weight"], model.model.embed_tokens.weight)
 
     # EAGLE-3.1's options, both readings: an input norm before fc (speculators') and a norm on
-    # each auxiliary state (vLLM's fc_norm), the normed output fed back; two draft layers, and
-    # the Qwen3 layer (vLLM's Eagle3Qwen3ForCausalLM: a query and key norm it must apply as
-    # trained, or the acceptance below falls)
+    # each auxiliary state (vLLM's fc_norm), the normed output fed back; two draft layers, the
+    # Qwen3 layer (vLLM's Eagle3Qwen3ForCausalLM: a query and key norm it must apply as
+    # trained, or the acceptance below falls), and a sliding window of 32 tokens in both
+    # layers (the prompts and answers are longer: vLLM must slide as training did)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a small model on a shared machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -167,7 +179,7 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     )
     args31 = inputs.args(
         out31, norm_before_fc=True, norm_output=True, fc_norm=True, num_draft_layers=2,
-        draft_layer="qwen3", **settings,
+        draft_layer="qwen3", sliding_window_tokens=WINDOW, **settings,
     )  # fmt: skip
     try:
         train.main(args31)
@@ -181,6 +193,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     assert config31["transformer_layer_config"]["num_hidden_layers"] == 2  # a second layer
     assert config31["transformer_layer_config"]["model_type"] == "qwen3"
     assert "layers.1.self_attn.k_norm.weight" in weights31
+    layer31 = config31["transformer_layer_config"]
+    assert layer31["layer_types"] == ["sliding_attention"] * 2
+    assert layer31["sliding_window"] == WINDOW
     assert weights31["layers.1.self_attn.q_proj.weight"].shape[1] == config31["target_hidden_size"]
 
     # the same shape, untrained: the draft as training starts it, written the same way
@@ -202,6 +217,9 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
 
     # speculative decoding never changes greedy output: both equal the verifier's own
     assert good31["outputs"] == bad["outputs"]
+    # the window reached vLLM's attention in both layers, and no other draft's
+    assert good31["draft_windows"] == [WINDOW, WINDOW] and bad["draft_windows"] == [-1]
+    assert max(len(p) for p in prompts) + 48 > 2 * WINDOW  # contexts the window cuts
     assert good31["counters"]["vllm:spec_decode_num_drafts"] > 0
     assert trained > bad["mean_acceptance_length"] + 1.0
     # served as trained: a norm vLLM applied differently would lose the later positions

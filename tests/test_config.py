@@ -99,6 +99,22 @@ def test_schema_documents_every_parameter():
             {"train": {"topk_loss_weight": -1}},
             r"'train\.topk_loss_weight' = -1.*greater than or equal to 0",
         ),
+        (
+            {"train": {"sliding_window_tokens": 3}},
+            r"train\.sliding_window_tokens 3 is not above the draft's steps \(3",
+        ),
+        (
+            {"train": {"sliding_window_tokens": 64, "draft_attention": "mla"}},
+            r"train\.sliding_window_tokens with train\.draft_attention mla",
+        ),
+        (
+            {"evaluate": {"context_buckets_tokens": [512, 4096]}},
+            r"context_buckets_tokens ends at 4096, past max_model_len_tokens \(2048\)",
+        ),
+        (
+            {"evaluate": {"context_buckets_tokens": [512, 256]}},
+            r"context_buckets_tokens \[512, 256\]: .* increasing",
+        ),
     ],
 )
 def test_bad_config_names_key_and_fix(raw, expected):

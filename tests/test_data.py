@@ -257,7 +257,10 @@ def damaged_files(directory: Path) -> dict[str, tuple[Path, str]]:
         path = cut(write_kind(directory / kind, kind, many_rows(6000)), keep)
         out[f"{kind} cut"] = path, "cut short" if kind != "parquet" else "corrupt"
     (directory / "fragment").mkdir()
-    out["zst fragment"] = cut(write_kind(directory / "fragment", "jsonl.zst", ROWS), 200), "cut short"
+    out["zst fragment"] = (
+        cut(write_kind(directory / "fragment", "jsonl.zst", ROWS), 200),
+        "cut short",
+    )
     (directory / "flipped").mkdir()
     flipped = write_kind(directory / "flipped", "jsonl.zst", many_rows(600))
     data = bytearray(flipped.read_bytes())
@@ -292,7 +295,10 @@ def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
 
 def test_the_data_stage_stops_on_a_file_cut_short_without_a_traceback(tmp_path):
     path = cut(write_kind(tmp_path, "jsonl.zst", many_rows(6000)), 0.7)
-    files = {"mixture": tmp_path / "out" / "chat_data.jsonl", "stats": tmp_path / "out" / "stats.json"}
+    files = {
+        "mixture": tmp_path / "out" / "chat_data.jsonl",
+        "stats": tmp_path / "out" / "stats.json",
+    }
     params = DataParams(chat_data=[{"path": str(path)}])
     proc = subprocess.run(
         [sys.executable, "-m", "workflow_scripts.stages.data", *shlex.split(cli.render("data", params, files))],

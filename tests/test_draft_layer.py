@@ -153,6 +153,38 @@ def test_the_qwen3_layer_is_stated_and_read_as_vllm_reads_it():
         draft_layer_config(vcfg, "mistral")
 
 
+@pytest.mark.parametrize("layer_name", ["llama", "qwen3"])
+def test_a_sliding_window_is_written_as_vllm_reads_it(layer_name):
+    """train.sliding_window_tokens 64 with two layers: the checkpoint's transformer_layer_config
+    says layer_types [sliding_attention] x 2 and sliding_window 64, which vLLM's speculators
+    loader hands to the draft's config (where its Llama and Qwen3 attention read them per
+    layer); transformers reads a Qwen3 layer the same."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    from workflow_scripts.lib.draft.checkpoint import speculators_config
+    from workflow_scripts.lib.draft.layer_config import draft_layer_config
+    from workflow_scripts.lib.draft.model import DraftConfig
+
+    vcfg = LlamaConfig(**SMALL, vocab_size=100).to_dict()
+    cfg = DraftConfig.from_layer_config(
+        draft_layer_config(vcfg, layer_name), 50, num_layers=2, sliding_window=64
+    )
+    assert cfg.sliding_window == 64
+    written = speculators_config(
+        layer_config=cfg.layer_config, draft_vocab_size=50, aux_layer_ids=[1, 2, 3],
+        num_speculative_tokens=3, verifier_name_or_path="v", verifier_architectures=None,
+    )  # fmt: skip
+    served = SpeculatorsConfig(**SpeculatorsConfig.extract_transformers_pre_trained_config(written))
+    assert served.layer_types == ["sliding_attention"] * 2
+    assert served.sliding_window == 64 and served.num_hidden_layers == 2
+    if layer_name == "qwen3":
+        read = Qwen3Config(**written["transformer_layer_config"])
+        assert read.layer_types == served.layer_types and read.sliding_window == 64
+    full = DraftConfig.from_layer_config(draft_layer_config(vcfg, layer_name), 50, num_layers=2)
+    assert "sliding_window" not in full.layer_config or not full.layer_config["sliding_window"]
+    assert full.layer_config.get("layer_types", ["full_attention"] * 2) == ["full_attention"] * 2
+
+
 def test_the_qwen3_layers_attention_is_qwen3s():
     """The draft's attention with the query and key norms (TTT step 0: causal over the prefix)
     against transformers' Qwen3Attention given the same weights, 2H inputs and rotation: the

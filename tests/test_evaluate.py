@@ -93,3 +93,68 @@ def test_prompts_carry_tools_earlier_turns_and_tool_results(tmp_path):
     text = template.decode(prompts[0]["prompt_token_ids"])
     assert "get_weather" in text and '"sunny"' in text and "2025-03-04" in text
     assert text.endswith("<|start|>assistant")
+
+
+def request_output(prompt_len: int, per_step: list[int], k: int = 3):
+    """A finished request as vLLM returns it, with its per-step speculative-decoding record
+    (vLLM's own metrics class, filled as its scheduler fills it at the detailed level)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    metrics = RequestSpecDecodeMetrics.new(k)
+    for accepted in per_step:
+        metrics.observe(num_draft_tokens=k, num_accepted=accepted, detailed=True)
+    return SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=metrics)]), [0] * prompt_len
+
+
+def test_verify_steps_fall_in_the_bucket_of_their_context():
+    from workflow_scripts.lib.evaluation.acceptance import by_context
+
+    # contexts at the steps: 10 + 1 (the prefill's token) = 11, then + 4, + 1, + 4: 11, 15, 16, 20
+    out, prompt = request_output(10, [3, 0, 3, 1])
+    assert by_context(out, prompt, [12, 20, 2048]) == [
+        [0, 0, 0, 1],  # 11
+        [1, 0, 0, 1],  # 15 and 16
+        [0, 1, 0, 0],  # 20: at an edge, the next bucket
+    ]
+    # the buckets together are the request's histogram
+    assert [sum(h) for h in zip(*by_context(out, prompt, [12, 20, 2048]))] == list(
+        out.outputs[0].spec_decode_metrics.histogram
+    )
+
+
+def test_a_summary_record_is_refused_for_buckets():
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    from workflow_scripts.lib.evaluation.acceptance import by_context
+
+    out, prompt = request_output(10, [])
+    out.outputs[0].spec_decode_metrics = RequestSpecDecodeMetrics.new(3)
+    out.outputs[0].spec_decode_metrics.observe(num_draft_tokens=3, num_accepted=2)  # summary
+    with pytest.raises(RuntimeError, match="detailed"):
+        by_context(out, prompt, [2048])
+
+
+def test_acceptance_by_context_per_set_and_bucket():
+    from workflow_scripts.lib.evaluation.acceptance import by_context, per_set
+
+    edges = [16, 64, 2048]
+    short = [by_context(*request_output(5, [3, 3, 3]), edges)]  # 6, 10, 14: all accepted
+    long = [by_context(*request_output(60, [0, 0, 1]), edges)]  # 61, 62, 63
+    prompts = [{"set": "a", "later_turns": []}, {"set": "b", "later_turns": []}]
+    hists = [[sum(c) for c in zip(*h)] for h in (short[0], long[0])]
+    runs = {
+        "eagle3": {
+            "num_drafts": 6,
+            "acceptance_histograms": hists,
+            "acceptance_histograms_by_context": short + long,
+        }
+    }
+    sets = per_set(prompts, runs, edges)
+    a, b = (sets[s]["eagle3"]["by_context"] for s in "ab")
+    assert [x["context_tokens"] for x in a] == [[0, 16], [16, 64], [64, 2048]]
+    assert [x["num_steps"] for x in a] == [3, 0, 0] and a[0]["mean_acceptance_length"] == 4
+    assert [x["num_steps"] for x in b] == [0, 3, 0]
+    assert b[1]["mean_acceptance_length"] == pytest.approx(1 + 1 / 3)
+    assert b[0]["num_prompts"] == 0 and "mean_acceptance_length" not in b[0]

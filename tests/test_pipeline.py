@@ -221,6 +221,7 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
         "seed": 0,
         "use_gpus": False,
         "max_model_len": p.max_model_len_tokens,
+        "context_edges": p.context_edges(),
     }
     run = run_in_child(job, tmp_path, "eagle3_tp2")["greedy"]
     evaluated = json.loads((results / "evaluate" / "results.json").read_text())
@@ -302,6 +303,11 @@ def test_evaluation_reports_each_set_and_all_together(mechanics_build):
         "demo", "humaneval", "mt_bench",
     ]  # fmt: skip
     assert results["sets"]["mt_bench"]["num_turns"] == 4
+    # HumanEval's own max_new_tokens (8), the others evaluate's (16 a turn)
+    generated = {name: [p["generated_tokens"] for p in results["prompts"] if p["set"] == name]
+                 for name in results["sets"]}  # fmt: skip
+    assert max(generated["humaneval"]) <= 8 < max(generated["demo"] + generated["mt_bench"])
+    assert max(generated["demo"]) <= 16 and max(generated["mt_bench"]) <= 32
     for run in ("baseline", "eagle3", "ngram"):
         assert results["runs"][run]["turns_served"] == 12, results["runs"][run]
         assert results["runs"][run]["later_turns_too_long"] == 0
@@ -320,3 +326,27 @@ def test_evaluation_reports_each_set_and_all_together(mechanics_build):
     k = len(pooled) - 1
     overall = 1 + sum(pooled[i + 1 :].sum() for i in range(k)) / pooled.sum()
     assert results["runs"]["eagle3"]["mean_acceptance_length"] == pytest.approx(overall)
+
+
+def test_acceptance_by_context_length_holds_every_verify_step(mechanics_build):
+    """evaluate.context_buckets_tokens [128, 256] (max_model_len_tokens 1024): per set, run
+    and bucket, the verify steps whose drafts followed a context of that length; the buckets
+    together are every step the per-prompt histograms hold, and the report plots them."""
+    work, _ = mechanics_build
+    results = json.loads((work / "results/evaluate/results.json").read_text())
+    assert results["context_edges_tokens"] == [128, 256, 1024]
+    for run in ("eagle3", "ngram"):
+        histograms = results["runs"][run]["acceptance_histograms"]
+        overall = results["runs"][run]["by_context"]
+        assert [b["context_tokens"] for b in overall] == [[0, 128], [128, 256], [256, 1024]]
+        assert sum(b["num_steps"] for b in overall) == sum(sum(h) for h in histograms if h)
+        for name, entry in results["sets"].items():
+            mine = [i for i, p in enumerate(results["prompts"]) if p["set"] == name]
+            steps = sum(sum(histograms[i]) for i in mine if histograms[i])
+            assert sum(b["num_steps"] for b in entry[run]["by_context"]) == steps, (name, run)
+            for b in entry[run]["by_context"]:
+                if b["num_steps"]:
+                    assert 1 <= b["mean_acceptance_length"] <= 4, b
+    # the demo's prompts hold a system prompt and tool definitions: some contexts pass 128
+    assert any(b["num_steps"] for b in results["runs"]["eagle3"]["by_context"][1:])
+    assert (work / "results/evaluate/plots/acceptance_by_context.png").stat().st_size > 0

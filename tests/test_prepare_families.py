@@ -242,3 +242,74 @@ def test_reasoning_where_the_verifier_writes_none_is_a_bad_row(served, name, kwa
         rows, _ = tokenize_rows(template, conv, MAX_LEN)
         texts = [template.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m]) for r in rows]
         assert "answer" in texts[-1] and not any("<think>" in t for t in texts), (name, texts)
+
+
+def test_prompts_tokenized_from_the_turn_before_are_the_whole_prompts_ids(family):
+    """prepare linear in the turns: a prompt that extends the turn before is tokenized from its
+    stop token on (chat/turns.py); every conversation's turns and rows are the same as with
+    every prompt tokenized whole, and the conversations of several turns do take that path
+    where the family's template keeps the history as it served it."""
+    from workflow_scripts.lib.chat.turns import conversation_turns, pack_rows
+
+    fam, template, rows = family
+    extended = 0
+    for raw in rows:
+        conv = read_conversation(raw)
+        try:
+            whole = conversation_turns(template, conv, whole=True)
+        except BadRow as exc:
+            with pytest.raises(BadRow, match=re.escape(exc.detail)):
+                conversation_turns(template, conv)
+            continue
+        linear = conversation_turns(template, conv)
+        assert [(t.message, t.prompt_ids, t.generated_ids, t.kinds) for t in linear] == [
+            (t.message, t.prompt_ids, t.generated_ids, t.kinds) for t in whole
+        ], raw["id"]
+        assert [(r.input_ids, r.loss_mask, r.turns) for r in pack_rows(linear)] == [
+            (r.input_ids, r.loss_mask, r.turns) for r in pack_rows(whole)
+        ], raw["id"]
+        extended += sum(t.extends_previous for t in linear)
+    assert template.fresh_after  # each family's end-of-turn token: a fresh start after it
+    # DeepSeek's templates drop the reasoning of every earlier turn: no prompt extends another
+    assert extended > 0 or fam.name.startswith("deepseek"), fam.name
+
+
+def test_a_tokenizer_that_does_not_start_afresh_after_the_stop_token_tokenizes_whole(
+    tmp_path, monkeypatch
+):
+    """Qwen3's tokenizer with <|im_end|> taking the whitespace after it (rstrip, as some
+    tokenizers' end tokens do): the probe finds that a prompt cannot be tokenized from the turn
+    before, so every prompt is tokenized whole; and were the probe wrong, the check of each
+    row's last prompt finds the ids differ and the conversation is tokenized again, whole: the
+    rows are the tokenizer's either way."""
+    from workflow_scripts.lib.chat import turns
+    from workflow_scripts.lib.chat.turns import conversation_turns, pack_rows
+
+    path = build_tokenizer(FAMILIES["qwen3"], tmp_path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        if token["content"] == "<|im_end|>":
+            token["rstrip"] = True
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    for token in config.get("added_tokens_decoder", {}).values():
+        if token["content"] == "<|im_end|>":
+            token["rstrip"] = True
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate(AutoTokenizer.from_pretrained(path), {}, "2026-01-01", path)
+    im_end = template.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in template.stop_ids and im_end not in template.fresh_after
+    conv = read_conversation(conversation_set("qwen3")[-1])  # a tool-call chain
+    whole = conversation_turns(template, conv, whole=True)
+    assert len(whole) > 1 and not any(
+        t.extends_previous for t in conversation_turns(template, conv)
+    )
+    template.fresh_after = frozenset(template.stop_ids)  # the probe overruled
+    checks = []
+    verified = turns._verified
+    monkeypatch.setattr(turns, "_verified", lambda *a: checks.append(verified(*a)) or checks[-1])
+    linear = conversation_turns(template, conv)
+    assert False in checks  # the row's check found the ids differ, and tokenized whole
+    assert [(r.input_ids, r.loss_mask) for r in pack_rows(linear)] == [
+        (r.input_ids, r.loss_mask) for r in pack_rows(whole)
+    ]

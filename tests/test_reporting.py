@@ -213,7 +213,9 @@ def test_wandb_is_sent_each_step_its_files_lack(tmp_path, first):
     """Offline, a killed process's W&B files hold the steps it wrote before the kill: past the
     state the run resumes from (15, the state at 10), or fewer (4: W&B writes its files in
     blocks). The resumed run sends each step they lack, once."""
-    proc = run_python(["-c", WANDB_RESUMED, str(tmp_path), str(first)], tmp_path / "wandb_home", 300)
+    proc = run_python(
+        ["-c", WANDB_RESUMED, str(tmp_path), str(first)], tmp_path / "wandb_home", 300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     history = wandb_history(tmp_path, "r1")
     assert [h["_step"] for h in history] == list(range(1, 21))

@@ -357,42 +357,40 @@ def test_the_previous_commits_code_plans_exactly_the_stages_whose_code_differs(b
         assert planned == set(), reasons
 
 
-@pytest.mark.parametrize(
-    "stage, log, message",
-    [
-        ("extract", "extract/job_{}.log", "nothing to compute: the model is not loaded"),
-        ("regenerate", "regenerate/job_{}.log", "nothing to do: the model is not loaded"),
-    ],
-)
-def test_a_changed_job_count_recomputes_nothing(built, stage, log, message):
-    """num_jobs 1 -> 2 -> 1, run for real: the jobs rerun without a model and the merge writes
-    the same file. Snakemake then drops the rule right after the merge (a checkpoint), but runs
-    the rules after that one with the reason it gave them before the merge ran: each finds its
-    work done (extraction reuses every shard, training resumes at its last step) and writes the
-    same bytes, but the draft is a directory, compared by date: evaluation is planned again (here
-    the target is the draft). Last in this file: evaluation is left stale."""
+JOB_LOGS = {  # the stages whose job count changes: each job's log, and what it must say
+    "regenerate": ("regenerate/job_{}.log", "nothing to do: the model is not loaded"),
+    "extract": ("extract/job_{}.log", "nothing to compute: the model is not loaded"),
+}
+
+
+def test_a_changed_job_count_recomputes_nothing(built):
+    """regenerate.num_jobs and extract.num_jobs 1 -> 2 -> 1, run for real: the jobs rerun
+    without a model and the merges write the same files. Snakemake then drops the rule right
+    after a merge (a checkpoint), but runs the rules after that one with the reason it gave them
+    before the merge ran: each finds its work done (extraction reuses every shard, training
+    resumes at its last step) and writes the same bytes, but the draft is a directory, compared
+    by date: evaluation is planned again (here the target is the draft). Last in this file:
+    evaluation is left stale."""
     work, config, graph = built
     draft = work / "results" / "train" / "draft" / "model.safetensors"
     before = sha256_file(draft)
     trained = False
     try:
         for num_jobs in (2, 1):
-            write_config(work, merged(config, {stage: {"num_jobs": num_jobs}}))
+            changed = merged(config, {stage: {"num_jobs": num_jobs} for stage in JOB_LOGS})
+            write_config(work, changed)
             proc = snakemake(work, "--cores", "2", "draft_ckpt")  # evaluation would run again
             ran = set(RULES_RUN.findall(proc.stdout + proc.stderr))
-            assert stage in ran and ran <= graph[stage] | TARGET_RULES, ran
-            for job in range(num_jobs):
-                assert message in (work / "results" / "logs" / log.format(job)).read_text()
-            if "extract" in ran and stage != "extract":
-                text = (work / "results" / "logs" / "extract" / "job_0.log").read_text()
-                assert "nothing to compute: the model is not loaded" in text
+            assert set(JOB_LOGS) <= ran <= graph["regenerate"] | TARGET_RULES, ran
+            for stage, (log, message) in JOB_LOGS.items():
+                for job in range(num_jobs):
+                    assert message in (work / "results" / "logs" / log.format(job)).read_text()
             trained |= "train" in ran
             if "train" in ran:
                 text = (work / "results" / "logs" / "train.log").read_text()
                 assert "resumed from" in text and "starting from scratch" not in text, text
                 assert not re.search(r"INFO step \d+/", text), "training took steps"
             assert sha256_file(draft) == before
-            changed = merged(config, {stage: {"num_jobs": num_jobs}})
             assert planned_in_process(work, "draft_ckpt", changed) == {}
             stale = set(planned_in_process(work, TARGET, changed))
             assert stale <= {"evaluate_draft", "evaluate"} and (not stale or trained)

@@ -202,6 +202,14 @@ DRY_RUN_ERRORS = {
         {"extract": {"max_model_len_tokens": 4096}},
         r"extract\.max_model_len_tokens 4096 exceeds the verifier's max_position_embeddings 2048",
     ),
+    "a sliding window the verifier's positions never pass": (
+        {"train": {"sliding_window_tokens": 2048}},
+        r"train\.sliding_window_tokens 2048 is not below the verifier's max_position_embeddings",
+    ),
+    "buckets past the engine's length": (
+        {"evaluate": {"context_buckets_tokens": [256, 4096]}},
+        r"context_buckets_tokens ends at 4096, past max_model_len_tokens",
+    ),
     "chat data missing": (
         {"chat_data": "missing.jsonl"},
         r"config key 'chat_data\[0\]\.path': missing\.jsonl does not exist",

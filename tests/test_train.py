@@ -163,7 +163,12 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
         k = rotate(a.k_proj(x).view(nkv, hd), cos, sin)
         return q, k, a.v_proj(x).view(nkv, hd), residual
 
-    def attend(layer, q, keys, values, residual):
+    def attend(layer, q, keys, values, residual, pos):
+        """The query at position ``pos``; keys and values at positions 0..pos, in order; a
+        sliding layer sees the ``window`` last of them (HF's and vLLM's convention)."""
+        window = layer.self_attn.window
+        if window is not None:
+            keys, values = keys[-window:], values[-window:]
         heads = []
         for h in range(nh):
             kv = h // (nh // nkv)
@@ -178,7 +183,7 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
         rows = [qkv(layer, token(t + 1), streams[t], t) for t in range(n)]
         K0, V0 = torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows])
         streams = [
-            attend(layer, rows[t][0], K0[: t + 1], V0[: t + 1], rows[t][3]) for t in range(n)
+            attend(layer, rows[t][0], K0[: t + 1], V0[: t + 1], rows[t][3], t) for t in range(n)
         ]
         prefix.append((K0, V0))
     out = {}
@@ -193,7 +198,7 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
                 keys = torch.cat([cache[i][0], kk[None]])
                 values = torch.cat([cache[i][1], vv[None]])
                 cache[i] = (keys, values)
-                r = attend(layer, q, keys, values, residual)
+                r = attend(layer, q, keys, values, residual, t + k)
             out[k, t] = r
             g = fed_back(r)
     return out
@@ -234,6 +239,72 @@ def test_ttt_unroll_equals_token_by_token_decoding(
         reference = decode_like_a_server(model, aux[b], ids[b], steps)
         for (k, t), r in reference.items():
             torch.testing.assert_close(unrolled[k][b, t], r, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("window, num_layers", [(4, 1), (6, 2), (9, 3)])
+def test_a_sliding_window_unrolls_as_a_server_decodes_it(window, num_layers):
+    """A sliding window (of 4 to 9 tokens, in every layer, over rows of 23 tokens and 4 TTT
+    steps): the unrolled training forward equals decoding token by token with each query
+    seeing only the window's last keys, float64 to 1e-10; and it differs from full attention."""
+    model = small_draft(num_layers=num_layers, sliding_window=window).double()
+    assert [layer.self_attn.window for layer in model.layers] == [window] * num_layers
+    torch.manual_seed(1)
+    L, steps = 23, 4
+    aux = torch.randn(2, L, 3, 32, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, L))
+    with torch.no_grad():
+        unrolled = model.unroll(aux, ids, steps)
+        for layer in model.layers:
+            layer.self_attn.window = None
+        full = model.unroll(aux, ids, steps)
+    assert not torch.allclose(unrolled[steps - 1], full[steps - 1])
+    for layer in model.layers:
+        layer.self_attn.window = window
+    for b in range(2):
+        reference = decode_like_a_server(model, aux[b], ids[b], steps)
+        for (k, t), r in reference.items():
+            torch.testing.assert_close(unrolled[k][b, t], r, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("window", [4, 7, 40])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_windowed_attention_equals_the_dense_reference(window, kv_heads):
+    """With a sliding window the banded blocks plus the diagonal terms equal the dense attention
+    with the windowed mask, outputs and gradients, float64 to 1e-10, over blocks smaller than
+    the row (their edges) and one block."""
+    from workflow_scripts.lib.draft import attention
+
+    torch.manual_seed(window + kv_heads)
+    B, H, n, d, steps = 2, 4, 29, 8, 3
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    qs = [torch.randn(B, H, n, d, **f64) for _ in range(steps)]
+    cache = [
+        (torch.randn(B, kv_heads, n, d, **f64), torch.randn(B, kv_heads, n, d, **f64))
+        for _ in range(steps)
+    ]
+    leaves = qs + [t for kv in cache for t in kv]
+    results = []
+    for attend, block in ((ttt_attention, 5), (ttt_attention, 512), (dense_ttt_attention, 0)):
+        banded = attention.banded_attention_with_lse
+        if block:
+            attention.banded_attention_with_lse = lambda *a, _b=block, _f=banded: _f(*a, block=_b)
+        try:
+            outs = [attend(q, cache[: i + 1], window=window) for i, q in enumerate(qs)]
+        finally:
+            attention.banded_attention_with_lse = banded
+        weights = torch.Generator().manual_seed(0)
+        loss = sum((o * torch.randn(o.shape, generator=weights, dtype=o.dtype)).sum() for o in outs)
+        results.append((outs, torch.autograd.grad(loss, leaves)))
+    for outs, grads in results[:2]:
+        for a, b in zip(outs + list(grads), results[2][0] + list(results[2][1])):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_a_window_no_larger_than_the_steps_is_refused_by_the_attention():
+    q = torch.randn(1, 2, 9, 4)
+    cache = [(torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)) for _ in range(3)]
+    with pytest.raises(ValueError, match="larger than the TTT steps"):
+        ttt_attention(q, cache, window=2)
 
 
 def test_ttt_rows_do_not_see_each_other_or_padding():

@@ -25,6 +25,7 @@ from workflow_scripts.lib.common import (
     write_json,
 )
 from workflow_scripts.lib.evaluation.acceptance import (
+    acceptance_by_context,
     acceptance_with_ci,
     load_prompt_sets,
     per_set,
@@ -76,13 +77,15 @@ def main() -> None:
     if p.sampled_temperature is not None:
         runs.append((f"temperature_{p.sampled_temperature:g}", p.sampled_temperature))
 
+    edges = p.context_edges()
     results: dict[str, Any] = {"runs": {}}
     scratch = io.results.parent / f".{io.results.name}.engines"
     scratch.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, list] = {}
     for name, spec in speculators.items():
         speculation = (
-            {"speculative_config": spec, "per_request_spec_decode_metrics": "summary"}
+            # detailed: each verify step's accepted drafts, in order (acceptance by context)
+            {"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
             if spec
             else {}
         )
@@ -96,12 +99,16 @@ def main() -> None:
             "verifier": str(io.verifier),
             "chat_template": p.chat_template.model_dump(),
             "max_model_len": p.max_model_len_tokens,
+            "context_edges": edges,
         }
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"
             outputs[key] = run.pop("outputs")
             if run["num_drafts"]:
                 run["per_prompt"] = acceptance_with_ci(run["acceptance_histograms"])
+                run["by_context"] = acceptance_by_context(
+                    run["acceptance_histograms_by_context"], edges
+                )
             results["runs"][key] = run
     for path in scratch.iterdir():
         path.unlink()
@@ -133,7 +140,14 @@ def main() -> None:
             "draft": str(io.draft),
             "eval_prompts": [s.model_dump(mode="json", exclude_none=True) for s in sets],
             "num_prompts": len(prompts),
-            "sets": per_set(prompts, results["runs"]),
+            # each prompt's set, id, and tokens generated without a draft (all its turns), in
+            # the order of the runs' per-prompt lists
+            "prompts": [
+                {"set": q["set"], "id": q["id"], "generated_tokens": len(out)}
+                for q, out in zip(prompts, outputs["baseline"])
+            ],
+            "sets": per_set(prompts, results["runs"], edges),
+            "context_edges_tokens": edges,
             "num_speculative_tokens": k,
             "max_new_tokens": p.max_new_tokens,
             "greedy_mismatches": mismatches,

@@ -126,6 +126,28 @@ class ChatTemplate:
     def thinking_off(self) -> bool:
         return self._probe_thinking_off()
 
+    @cached_property
+    def fresh_after(self) -> frozenset[int]:
+        """The stop tokens after which this tokenizer starts afresh: a text that ends in one,
+        followed by more, tokenizes as the two tokenized apart (fast tokenizers cut their input
+        at added tokens first; a normalizer or pre-tokenizer that marks the start of its input,
+        as SentencePiece's prefix space, breaks it). Probed on texts of every kind that follow
+        a turn: newlines, spaces, words, another special token."""
+        fresh = set()
+        for stop in self.stop_ids:
+            mark = self.decode([stop])
+            if self.encode(mark) != [stop]:
+                continue
+            tails = ["\n", "\n\nUser: x", " x y", "x", "  \t x", mark + "x", "\n" + mark]
+            heads = ["a b", "a b\n", ""]
+            if all(
+                self.encode(head + mark + tail) == self.encode(head + mark) + self.encode(tail)
+                for head in heads
+                for tail in tails
+            ):
+                fresh.add(stop)
+        return frozenset(fresh)
+
     # ------------------------------------------------------------------ rendering
 
     def template_messages(
@@ -150,15 +172,24 @@ class ChatTemplate:
         return out
 
     def render(
-        self, messages: list[dict[str, Any]], tools=None, generation_prompt=False, form=None
+        self,
+        messages: list[dict[str, Any]],
+        tools=None,
+        generation_prompt=False,
+        form=None,
+        templated: list[dict[str, Any]] | None = None,
     ) -> str:
         """The template's text for ``messages`` (canonical form, rows.py); a BadRow if the
-        template refuses them (many raise on roles out of order, for one)."""
+        template refuses them (many raise on roles out of order, for one). ``templated``: the
+        messages' ``template_messages`` already made (of these messages or more: the first
+        len(messages) are taken)."""
         from jinja2 import TemplateError
 
+        if templated is None or form is not None:
+            templated = self.template_messages(messages, form)
         try:
             return self.tokenizer.apply_chat_template(
-                self.template_messages(messages, form),
+                templated[: len(messages)],
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,

@@ -20,6 +20,12 @@ Rows: the turns of a conversation share a row while each turn's served prompt ex
 far, token for token; a turn whose prompt rewrites the history (Qwen3 drops earlier reasoning
 after a new user message) starts a new row. A regenerated conversation carries the ids the
 verifier was served and sampled; those are used as they are.
+
+Linear in the turns: a turn's served prompt that extends the previous turn's prompt and
+generation as text, after its stop token, is tokenized from there on only, where the tokenizer
+starts afresh after that token (``ChatTemplate.fresh_after``); once per row the whole last
+prompt is tokenized as well and must give the same ids, else the conversation is tokenized
+again turn by turn, whole prompts. Either way a prompt's ids are the tokenizer's for its text.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Turn:
     prompt_ids: list[int]
     generated_ids: list[int]  # what is supervised: ends with the stop token
     kinds: Counter = field(default_factory=Counter)  # supervised tokens by kind (KINDS)
+    # its prompt ids begin with the previous turn's prompt and generated ids, by construction
+    extends_previous: bool = False
 
 
 @dataclass
@@ -50,10 +58,13 @@ class Row:
     turns: list[int]  # the assistant messages it supervises
 
 
-def generated_text(ct: ChatTemplate, conv: Conversation, j: int, prompt: str) -> str:
-    """What the template writes for assistant message ``j`` after the served ``prompt``."""
+def generated_text(
+    ct: ChatTemplate, conv: Conversation, j: int, prompt: str, templated: list | None = None
+) -> str:
+    """What the template writes for assistant message ``j`` after the served ``prompt``
+    (``templated``: the conversation's messages as the template reads them, if made)."""
     msgs, tools = conv.messages, conv.tools
-    full = ct.render(msgs[: j + 1], tools)
+    full = ct.render(msgs[: j + 1], tools, templated=templated)
     if full.startswith(prompt):
         return full[len(prompt) :]
     # the history or the turn's start is written differently once the turn follows: find the
@@ -129,7 +140,16 @@ def cut_at_stop(ct: ChatTemplate, ids: list[int], follower: str | None) -> list[
 
 def template_turn(ct: ChatTemplate, conv: Conversation, j: int) -> tuple[list[int], str, list[int]]:
     """(served prompt ids, generated text, generated ids) of assistant message ``j``."""
-    prompt = ct.render(conv.messages[:j], conv.tools, generation_prompt=True)
+    prompt, text, ids = template_turn_text(ct, conv, j)
+    return ct.encode(prompt), text, ids
+
+
+def template_turn_text(
+    ct: ChatTemplate, conv: Conversation, j: int, templated: list | None = None
+) -> tuple[str, str, list[int]]:
+    """(served prompt, generated text, generated ids) of assistant message ``j``
+    (``templated``: the conversation's messages as the template reads them, if made)."""
+    prompt = ct.render(conv.messages[:j], conv.tools, generation_prompt=True, templated=templated)
     reasoning = conv.texts(j)["reasoning"]
     # thinking off: the served prompt closes the <think> block, or the template's does after a
     # user message (DeepSeek-V3.1 serves none after a tool result)
@@ -141,12 +161,12 @@ def template_turn(ct: ChatTemplate, conv: Conversation, j: int) -> tuple[list[in
             "drop the reasoning, or switch thinking on in chat_template.kwargs (thinking: true "
             "for DeepSeek-V3.1 and Kimi-K2.5, enable_thinking: true for Qwen3 and GLM)",
         )
-    text = generated_text(ct, conv, j, prompt)
+    text = generated_text(ct, conv, j, prompt, templated)
     if reasoning and reasoning not in text:
         text = with_reasoning(ct, prompt, text, reasoning, j)
     follower = conv.messages[j + 1]["role"] if j + 1 < len(conv.messages) else None
     ids = cut_at_stop(ct, ct.encode(text), follower)
-    return ct.encode(prompt), text, ids
+    return prompt, text, ids
 
 
 def supervised_kinds(ct: ChatTemplate, conv: Conversation, j: int, ids: list[int]) -> Counter:
@@ -202,20 +222,45 @@ def _offsets(ct: ChatTemplate, ids: list[int], text: str) -> list[tuple[int, int
     return spans
 
 
-def conversation_turns(ct: ChatTemplate, conv: Conversation) -> list[Turn]:
+def conversation_turns(ct: ChatTemplate, conv: Conversation, whole: bool = False) -> list[Turn]:
     """Every assistant turn of ``conv``, as served and generated; regenerated turns from the
-    ids recorded with them (``conv.extra['turn_ids']``: message index -> (prompt, sampled))."""
+    ids recorded with them (``conv.extra['turn_ids']``: message index -> (prompt, sampled)).
+    A prompt that extends the turn before is tokenized from where it did (module docstring);
+    ``whole``: every prompt whole."""
     recorded: dict[int, Any] = conv.extra.get("turn_ids", {})
-    turns = []
+    turns: list[Turn] = []
+    before: tuple[str, list[int]] | None = None  # the last turn's prompt and generation
+    chain_end: tuple[str, list[int]] | None = None  # the last prompt tokenized from a previous
+    templated = ct.template_messages(conv.messages)  # once: every render takes the first j
     for j, msg in enumerate(conv.messages):
         if msg["role"] != "assistant":
             continue
+        extends = False
         if j in recorded:
             prompt_ids, ids = (list(x) for x in recorded[j])
+            before = None
         else:
-            prompt_ids, _, ids = template_turn(ct, conv, j)
-        turns.append(Turn(j, prompt_ids, ids, supervised_kinds(ct, conv, j, ids)))
+            prompt, _, ids = template_turn_text(ct, conv, j, templated)
+            if before is not None and prompt.startswith(before[0]):
+                prompt_ids, extends = before[1] + ct.encode(prompt[len(before[0]) :]), True
+                chain_end = prompt, prompt_ids
+            else:
+                if not _verified(ct, chain_end):
+                    return conversation_turns(ct, conv, whole=True)
+                prompt_ids, chain_end = ct.encode(prompt), None
+            before = None
+            if not whole and ids and ids[-1] in ct.fresh_after:
+                before = prompt + ct.decode(ids), prompt_ids + ids
+        turns.append(Turn(j, prompt_ids, ids, supervised_kinds(ct, conv, j, ids), extends))
+    if not _verified(ct, chain_end):
+        return conversation_turns(ct, conv, whole=True)
     return turns
+
+
+def _verified(ct: ChatTemplate, chain_end: tuple[str, list[int]] | None) -> bool:
+    """Whether the last prompt of a chain tokenized from the turns before has the ids of its
+    whole text (the check that makes the chain's ids the tokenizer's own)."""
+    return chain_end is None or ct.encode(chain_end[0]) == chain_end[1]
 
 
 def pack_rows(turns: list[Turn]) -> list[Row]:
@@ -224,7 +269,9 @@ def pack_rows(turns: list[Turn]) -> list[Row]:
     rows: list[Row] = []
     for turn in turns:
         row = rows[-1] if rows else None
-        if row is not None and turn.prompt_ids[: len(row.input_ids)] == row.input_ids:
+        if row is not None and (
+            turn.extends_previous or turn.prompt_ids[: len(row.input_ids)] == row.input_ids
+        ):
             gap = turn.prompt_ids[len(row.input_ids) :]
             row.input_ids += gap + turn.generated_ids
             row.loss_mask += [0] * len(gap) + [1] * len(turn.generated_ids)

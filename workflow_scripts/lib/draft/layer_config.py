@@ -118,6 +118,23 @@ def draft_layer_config(verifier_cfg: dict[str, Any], layer: str = "llama") -> di
     return out
 
 
+def stacked(
+    layer_config: dict[str, Any], num_layers: int, sliding_window: int | None = None
+) -> dict[str, Any]:
+    """``layer_config`` for ``num_layers`` such layers; with ``sliding_window``, that window in
+    every layer, as vLLM reads it: ``layer_types`` (sliding_attention) and ``sliding_window``."""
+    out = {**layer_config, "num_hidden_layers": num_layers}
+    kind = "full_attention"
+    if sliding_window is not None:
+        kind = "sliding_attention"
+        out["sliding_window"] = sliding_window
+        if "use_sliding_window" in out:  # Qwen3's, for transformers' reading
+            out["use_sliding_window"] = True
+    if "layer_types" in out or sliding_window is not None:  # one per layer
+        out["layer_types"] = [kind] * num_layers
+    return out
+
+
 def llama_layer_config(verifier_cfg: dict[str, Any]) -> dict[str, Any]:
     """The draft's decoder layer as a one-layer Llama config (``draft_layer_config``)."""
     return draft_layer_config(verifier_cfg, "llama")

@@ -41,7 +41,8 @@ index t (0 <= t < T-1) at TTT step k:
     predicts  x_{t+2+k}; counted when x_{t+2+k} is loss-masked (an assistant token)
     teacher   the verifier's distribution at position t+1+k restricted to the draft vocabulary:
               softmax(lm_head_verifier[t2d] @ final_norm(h_N[t+1+k]))
-    attends   the step-0 keys at indices 0..t and the keys of steps 1..k at index t
+    attends   the step-0 keys at indices 0..t and the keys of steps 1..k at index t (with a
+              sliding window of W tokens, the step-0 keys from index t-(W-k)+1 only)
 
 which is exactly what vLLM's proposer does: it feeds (x_{i+1}, features of i) at position i into
 the draft's KV cache for the whole prefix, then drafts token k+1 at position t+k from its own
@@ -60,6 +61,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from workflow_scripts.lib.draft.attention import dense_ttt_attention, ttt_attention
+from workflow_scripts.lib.draft.layer_config import stacked
 from workflow_scripts.lib.draft.layers import RMSNorm, Rotary, apply_rope
 from workflow_scripts.lib.draft.teacher_head import LOSS_CHUNK_ELEMENTS, TeacherHead
 
@@ -82,6 +84,7 @@ class DraftConfig:
     attention: str = "llama"  # or "mla": the verifier's multi-head latent attention (mla.py)
     num_layers: int = 1  # decoder layers; the first reads the embedding and the features
     qk_norm: bool = False  # the Qwen3 layer: an RMSNorm over each query and key head before RoPE
+    sliding_window: int | None = None  # tokens every layer's queries see, their own included
     layer_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -95,11 +98,10 @@ class DraftConfig:
         attention: str = "llama",
         fc_norm: bool = False,
         num_layers: int = 1,
+        sliding_window: int | None = None,
     ) -> "DraftConfig":
         c = layer_config
-        layer_config = {**layer_config, "num_hidden_layers": num_layers}
-        if "layer_types" in layer_config:  # one per layer (Qwen3's config lists them)
-            layer_config["layer_types"] = ["full_attention"] * num_layers
+        layer_config = stacked(layer_config, num_layers, sliding_window)
         return cls(
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
@@ -116,18 +118,17 @@ class DraftConfig:
             attention=attention,
             num_layers=num_layers,
             qk_norm=c.get("model_type") == "qwen3",
+            sliding_window=sliding_window,
             layer_config=layer_config,
         )
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig, first: bool = True):
+    def __init__(self, cfg: DraftConfig, first: bool = True, window: int | None = None):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        self.window = window  # a sliding window (attention.py), or None
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         # the first layer: the embedding and the features, side by side; later ones: the stream
         width = 2 * cfg.hidden_size if first else cfg.hidden_size
         self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
@@ -152,7 +153,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.append((k, v))
-        out = (dense_ttt_attention if self.dense else ttt_attention)(q, cache)
+        out = (dense_ttt_attention if self.dense else ttt_attention)(q, cache, window=self.window)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim))
 
 
@@ -168,7 +169,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, first: bool = True):
+    def __init__(self, cfg: DraftConfig, first: bool = True, window: int | None = None):
         super().__init__()
         self.first = first
         self.norm_before_residual = cfg.norm_before_residual
@@ -184,7 +185,7 @@ class DecoderLayer(nn.Module):
             )
             self.self_attn = MLAAttention(cfg, cfg.layer_config, rope.attention_mscale)
         else:
-            self.self_attn = Attention(cfg, first)
+            self.self_attn = Attention(cfg, first, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -250,7 +251,9 @@ class Eagle3Draft(nn.Module):
                 [RMSNorm(H, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers)]
             )
         self.fc = nn.Linear(cfg.num_aux_layers * H, H, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i == 0) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i == 0, cfg.sliding_window) for i in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         if cfg.attention == "mla":

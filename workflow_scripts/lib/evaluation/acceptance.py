@@ -6,9 +6,11 @@ metrics) a bootstrap confidence interval over prompts.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,7 @@ def load_prompt_sets(
                     "messages": conv.messages,
                     "tools": conv.tools,
                     "later_turns": (turns or [])[1:],
+                    "max_new_tokens": source.max_new_tokens,  # None: evaluate's
                 }
             )
             taken += 1
@@ -111,17 +114,24 @@ def _sum(a: list[int] | None, b: list[int] | None) -> list[int] | None:
 
 
 def serve(
-    llm, prompts: list[dict[str, Any]], params, template, max_len: int
-) -> tuple[list, list, dict[str, int]]:
+    llm, prompts: list[dict[str, Any]], params, template, max_len: int, edges: list[int]
+) -> tuple[list, list, list, dict[str, int]]:
     """Generates every prompt, then each later user turn after the engine's own answer to the
-    turn before (rendered by ``template``, needed only when a prompt has later turns). Returns
-    per prompt the generated token ids of all its turns and its speculative-decoding histogram
-    summed over them, and the turns served and those that did not fit the engine (``max_len``:
-    its max model length; such a turn ends its conversation)."""
+    turn before (rendered by ``template``, needed only when a prompt has later turns); each
+    turn at most its set's max_new_tokens, else ``params``'. Returns per prompt the generated
+    token ids of all its turns, its speculative-decoding histogram summed over them and the same
+    by context-length bucket (``edges``, see ``by_context``), and the turns served and those
+    that did not fit the engine (``max_len``: its max model length; such a turn ends its
+    conversation)."""
+    own = {n: params.clone() for n in {p["max_new_tokens"] for p in prompts} if n}
+    for n, one in own.items():
+        one.max_tokens = n
+    per_prompt = [own.get(p["max_new_tokens"], params) for p in prompts]
     requests = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    outputs = llm.generate(requests, per_prompt, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     hists = [_histogram(o) for o in outputs]
+    contexts = [by_context(o, r["prompt_token_ids"], edges) for o, r in zip(outputs, requests)]
     chats = {i: list(p["messages"]) for i, p in enumerate(prompts) if p["later_turns"]}
     last = {i: list(outputs[i].outputs[0].token_ids) for i in chats}
     turn = too_long = 0
@@ -139,19 +149,48 @@ def serve(
                 continue
             served.append(i)
             ids.append({"prompt_token_ids": prompt})
-        for i, out in zip(served, llm.generate(ids, params, use_tqdm=False)):
+        generated = llm.generate(ids, [per_prompt[i] for i in served], use_tqdm=False)
+        for i, out, request in zip(served, generated, ids):
             last[i] = list(out.outputs[0].token_ids)
             tokens[i] += last[i]
             hists[i] = _sum(hists[i], _histogram(out))
+            more = by_context(out, request["prompt_token_ids"], edges)
+            contexts[i] = [_sum(a, b) for a, b in zip(contexts[i], more)]
         turn += 1
         turns += len(served)
         chats = {i: chats[i] for i in served if len(prompts[i]["later_turns"]) > turn}
-    return tokens, hists, {"turns_served": turns, "later_turns_too_long": too_long}
+    return tokens, hists, contexts, {"turns_served": turns, "later_turns_too_long": too_long}
 
 
 def _histogram(output) -> list[int] | None:
     metrics = output.outputs[0].spec_decode_metrics
     return list(metrics.histogram) if metrics else None
+
+
+def by_context(output, prompt_ids: list[int], edges: list[int]) -> list[list[int] | None]:
+    """One request's verify steps by the context length at their first drafted position, as
+    histograms (how many steps accepted j = 0..k drafts), one per bucket: bucket b holds the
+    contexts below ``edges[b]`` and at or above the edge before (the last, every longer one).
+    The context at a step is the prompt, the token sampled at prefill (the drafts of the first
+    step follow it) and every token the steps before it gave (the accepted drafts and the
+    verifier's own token). From vLLM's per-step record (per_request_spec_decode_metrics:
+    detailed); None for every bucket without speculative decoding."""
+    metrics = output.outputs[0].spec_decode_metrics
+    if not metrics:
+        return [None] * len(edges)
+    if len(metrics.per_step_accepted) != sum(metrics.histogram):
+        raise RuntimeError(
+            f"vLLM recorded {len(metrics.per_step_accepted)} verify steps one by one and "
+            f"{sum(metrics.histogram)} in its histogram: the engine must be made with "
+            "per_request_spec_decode_metrics='detailed'"
+        )
+    hists = [[0] * len(metrics.histogram) for _ in edges]
+    context = len(prompt_ids) + 1
+    for accepted in metrics.per_step_accepted:
+        bucket = min(bisect.bisect_right(edges, context), len(edges) - 1)
+        hists[bucket][accepted] += 1
+        context += accepted + 1
+    return hists
 
 
 def sampling_settings(llm) -> dict[str, Any]:
@@ -165,7 +204,18 @@ def sampling_settings(llm) -> dict[str, Any]:
 
 
 def run_engine(job: dict[str, Any], out_path: str) -> None:
-    """One engine, one configuration, in a child process; results to ``out_path`` (JSON)."""
+    """One engine, one configuration, in a child process; results to ``out_path`` (JSON). A
+    failure ends the process at once, its traceback logged: a normal exit would wait on the
+    engine's workers, and the parent with it."""
+    try:
+        _run_engine(job, out_path)
+    except BaseException:
+        log.exception("evaluate: the engine's run failed")
+        logging.shutdown()
+        os._exit(1)
+
+
+def _run_engine(job: dict[str, Any], out_path: str) -> None:
     from vllm import SamplingParams
 
     from workflow_scripts.lib.chat.template import load_template
@@ -185,8 +235,8 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
             max_tokens=job["max_new_tokens"], temperature=temperature, seed=job["seed"]
         )
         start = time.perf_counter()
-        outputs, histograms, turns = serve(
-            llm, job["prompts"], params, template, job["max_model_len"]
+        outputs, histograms, contexts, turns = serve(
+            llm, job["prompts"], params, template, job["max_model_len"], job["context_edges"]
         )
         elapsed = time.perf_counter() - start
         after = llm.get_metrics()
@@ -221,6 +271,8 @@ def run_engine(job: dict[str, Any], out_path: str) -> None:
             "acceptance_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
             # per prompt (its turns together): how many verify steps accepted j = 0..k drafts
             "acceptance_histograms": histograms,
+            # the same per prompt and context-length bucket (job["context_edges"])
+            "acceptance_histograms_by_context": contexts,
             "outputs": outputs,
         }
     write_json(out_path, results)  # atomically: the parent waits for this file
@@ -259,9 +311,27 @@ def acceptance_with_ci(
     }
 
 
-def per_set(prompts: list[dict[str, Any]], runs: dict[str, Any]) -> dict[str, Any]:
+def acceptance_by_context(
+    histograms: list[list[list[int] | None]], edges: list[int]
+) -> list[dict[str, Any]]:
+    """Per context-length bucket (``edges``: where each ends), the acceptance of the verify
+    steps whose drafts followed a context of that length, with its interval over the prompts
+    that reached it (``acceptance_with_ci``); ``histograms``: per prompt, per bucket."""
+    buckets = []
+    for b, end in enumerate(edges):
+        rows = [h[b] for h in histograms]
+        entry = {"context_tokens": [edges[b - 1] if b else 0, end]}
+        entry["num_steps"] = int(sum(sum(h) for h in rows if h))
+        buckets.append({**entry, **acceptance_with_ci(rows)})
+    return buckets
+
+
+def per_set(
+    prompts: list[dict[str, Any]], runs: dict[str, Any], edges: list[int]
+) -> dict[str, Any]:
     """Acceptance of each speculating run on each set of prompts (with its interval over the
-    set's prompts), and EAGLE-3 over n-gram on each."""
+    set's prompts), overall and by context length (``edges``: where the buckets end), and
+    EAGLE-3 over n-gram on each."""
     sets: dict[str, Any] = {}
     for name in dict.fromkeys(p["set"] for p in prompts):
         mine = [i for i, p in enumerate(prompts) if p["set"] == name]
@@ -270,6 +340,9 @@ def per_set(prompts: list[dict[str, Any]], runs: dict[str, Any]) -> dict[str, An
         for run, result in runs.items():
             if result["num_drafts"]:
                 entry[run] = acceptance_with_ci([result["acceptance_histograms"][i] for i in mine])
+                entry[run]["by_context"] = acceptance_by_context(
+                    [result["acceptance_histograms_by_context"][i] for i in mine], edges
+                )
         eagle, ngram = (entry.get(r, {}).get("mean_acceptance_length") for r in ("eagle3", "ngram"))
         entry["eagle3_over_ngram"] = eagle / ngram if eagle and ngram else None
         sets[name] = entry

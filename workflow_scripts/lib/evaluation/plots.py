@@ -1,5 +1,6 @@
-"""The evaluation's plots: acceptance per draft position (vLLM's, with 95% intervals over
-prompts, and what training simulated), the draft against n-gram, and the training curves."""
+"""The evaluation's plots: acceptance per draft position and by context length (vLLM's, with 95%
+intervals over prompts, and what training simulated), the draft against n-gram, and the training
+curves."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     fig.savefig(plot_dir / "draft_vs_ngram.png", dpi=120)
     plt.close(fig)
 
+    plot_by_context(results, plot_dir / "acceptance_by_context.png")
+
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r.get("split", "train") == "train" and "loss" in r]
     val = [r for r in rows if r.get("split") == "val" and "loss" in r]
@@ -98,4 +101,42 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     axes[1].set_ylabel(f"simulated acceptance per position ({'held-out' if val else 'train'})")
     fig.tight_layout()
     fig.savefig(plot_dir / "training_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plot_by_context(results: dict[str, Any], path: Path) -> None:
+    """Mean acceptance length against the context length at the drafted position, per set
+    (the draft's solid, n-gram's dashed), with 95% intervals over prompts; the buckets no
+    drafted position reached are left out."""
+    import matplotlib.pyplot as plt
+
+    edges = results["context_edges_tokens"]
+    labels = [f"{_tokens(lo)}-{_tokens(hi)}" for lo, hi in zip([0, *edges], edges)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = {"eagle3": "-o", "ngram": "--s"}
+    for i, (name, entry) in enumerate(results["sets"].items()):
+        color = f"C{i}"
+        for run, style in styles.items():
+            buckets = [b for b in (entry.get(run) or {}).get("by_context", []) if b["num_steps"]]
+            if not buckets:
+                continue
+            x = [edges.index(b["context_tokens"][1]) for b in buckets]
+            y = [b["mean_acceptance_length"] for b in buckets]
+            ci = [b["mean_acceptance_length_ci95"] for b in buckets]
+            errors = [[max(v - lo, 0) for v, (lo, _) in zip(y, ci)],
+                      [max(hi - v, 0) for v, (_, hi) in zip(y, ci)]]  # fmt: skip
+            ax.errorbar(x, y, yerr=errors, fmt=style, color=color, capsize=3,
+                        label=f"{name}: {run}")  # fmt: skip
+    ax.set_xticks(range(len(edges)), labels, rotation=30)
+    ax.set_xlabel("context length at the drafted position (tokens)")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_ylim(1, results["num_speculative_tokens"] + 1)
+    ax.set_title("Acceptance by context length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

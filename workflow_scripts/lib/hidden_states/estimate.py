@@ -219,10 +219,12 @@ def run_estimate(
         e = cfg.evaluate
         runs = 1 + (e.sampled_temperature is not None)
         temperatures = ", greedy and sampled" if runs == 2 else ""
+        most = max([e.max_new_tokens, *(s.max_new_tokens or 0 for s in e.eval_prompts.root)])
+        own = "" if most == e.max_new_tokens else ", or a set's own max_new_tokens"
         lines.append(
-            f"  evaluate: at most {3 * runs * e.max_new_tokens:,} generated tokens per prompt "
+            f"  evaluate: at most {3 * runs * most:,} generated tokens per prompt "
             f"turn (the baseline, eagle3 and ngram engines{temperatures}, "
-            f"evaluate.max_new_tokens {e.max_new_tokens} each)"
+            f"evaluate.max_new_tokens {e.max_new_tokens}{own} each)"
         )
     return lines, warnings
 

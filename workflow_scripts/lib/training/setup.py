@@ -158,6 +158,7 @@ def build_draft(
         attention=p.draft_attention,
         fc_norm=p.fc_norm,
         num_layers=p.num_draft_layers,
+        sliding_window=p.sliding_window_tokens,
     )
     embed = verifier_files.read_tensor(inputs.tensors["embed"])
     norm = verifier_files.read_tensor(inputs.tensors["norm"]).float()

@@ -421,6 +421,14 @@ def check_workflow(
                 "an MLA verifier (no common KV cache block size: its CPU MLA backend takes blocks "
                 "of 16, its CPU attention backend multiples of 32); set train.draft_attention: mla"
             )
+        window, max_pos = cfg.train.sliding_window_tokens, vcfg.get("max_position_embeddings")
+        if window is not None and max_pos and window >= int(max_pos):
+            staged.setdefault("train", []).append(
+                f"train.sliding_window_tokens {window} is not below the verifier's "
+                f"max_position_embeddings {max_pos}: no context is longer than the window, so "
+                "the draft would attend to everything; give a smaller window, or null for full "
+                "attention"
+            )
         if files:  # the weights and one sequence's KV cache against gpu_memory_bytes
             engines = [(s, getattr(cfg, s)) for s in memory.engine_sections(cfg)]
             engines = [(s, p, resolve_dtype(p, vcfg)) for s, p in engines]

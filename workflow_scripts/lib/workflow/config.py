@@ -94,12 +94,14 @@ DOCS = {
         )
     },  # fmt: skip
     "train.init_from": "docs/training.md#starting-from-an-existing-draft",
+    "train.sliding_window_tokens": "docs/training.md#a-sliding-window",
     "train.draft_attention": "docs/verifier-families.md#mla-drafts-deepseek-kimi",
     "train.checkpoint_every_steps": "README.md#after-a-crash",
     **{
         f"evaluate.{key}": "docs/evaluation-and-quality.md#evaluation"
         for key in ("num_speculative_tokens", "max_new_tokens", "sampled_temperature", "ngram_*")
     },
+    "evaluate.context_buckets_tokens": "docs/evaluation-and-quality.md#acceptance-by-context-length",
     "demo.corpus": "docs/evaluation-and-quality.md#draft-quality",
 }
 

@@ -380,6 +380,40 @@ class EvaluateParams(EngineSettings):
     max_model_len_tokens: int = Field(
         2048, ge=8, description="Engine max model length: prompt plus generated tokens."
     )
+    context_buckets_tokens: list[int] | None = Field(
+        None,
+        description="Acceptance is also reported by the context length at the drafted position "
+        "(prompt plus tokens generated so far), in buckets that end at these lengths, "
+        "increasing, the last at most max_model_len_tokens; null: powers of two from 256 up "
+        "to max_model_len_tokens.",
+    )
+
+    @model_validator(mode="after")
+    def _buckets_fit(self) -> "EvaluateParams":
+        edges = self.context_buckets_tokens
+        if edges is None:
+            return self
+        if not edges or any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ValueError(
+                f"context_buckets_tokens {edges}: give the lengths where the buckets end, each "
+                "at least 1 and increasing (for example [512, 2048, 8192]), or null for powers "
+                "of two"
+            )
+        if edges[-1] > self.max_model_len_tokens:
+            raise ValueError(
+                f"context_buckets_tokens ends at {edges[-1]}, past max_model_len_tokens "
+                f"({self.max_model_len_tokens}), which no context reaches: end the buckets at "
+                "max_model_len_tokens or below, or raise max_model_len_tokens"
+            )
+        return self
+
+    def context_edges(self) -> list[int]:
+        """Where the context-length buckets end: the setting's, or powers of two from 256; the
+        last always max_model_len_tokens (the longest context there is)."""
+        edges = self.context_buckets_tokens
+        if edges is None:
+            edges = [256 << i for i in range(32) if 256 << i < self.max_model_len_tokens]
+        return [e for e in edges if e < self.max_model_len_tokens] + [self.max_model_len_tokens]
 
     @model_validator(mode="after")
     def _sampled_needs_gpus(self) -> "EvaluateParams":

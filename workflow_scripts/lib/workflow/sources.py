@@ -143,6 +143,12 @@ class PromptSource(Source):
         "verifier's answer to the one before), question; auto: the set's, else each row's.",
     )
     rows: int | None = Field(None, ge=1, description="Use the first this many prompts of the set.")
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens generated per prompt of this set (per turn of a set of several); "
+        "null: evaluate.max_new_tokens. Long enough to reach the context lengths of interest.",
+    )
 
     @model_validator(mode="before")
     @classmethod

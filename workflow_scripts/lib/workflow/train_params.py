@@ -46,6 +46,27 @@ class TrainParams(StageParams):
             )
         return self
 
+    @model_validator(mode="after")
+    def _window_fits(self) -> "TrainParams":
+        window = self.sliding_window_tokens
+        if window is None:
+            return self
+        if self.draft_attention == "mla":
+            raise ValueError(
+                "train.sliding_window_tokens with train.draft_attention mla: vLLM serves the "
+                "sliding window for the Llama and Qwen3 draft layers only; set "
+                "train.sliding_window_tokens: null or train.draft_attention: llama"
+            )
+        steps = max(self.ttt_steps, self.num_speculative_tokens)
+        if window <= steps:
+            raise ValueError(
+                f"train.sliding_window_tokens {window} is not above the draft's steps ({steps}, "
+                "the larger of train.ttt_steps and train.num_speculative_tokens): the last "
+                "drafted token would see none of the context; give a window of at least "
+                f"{steps + 1}, and in practice hundreds of tokens"
+            )
+        return self
+
     @field_validator("report_to")
     @classmethod
     def _backends_installed(cls, names: list[str]) -> list[str]:
@@ -167,6 +188,15 @@ class TrainParams(StageParams):
         "RMSNorm over each query and key head before RoPE, as Qwen3 has; written with "
         "model_type qwen3 in transformer_layer_config, which vLLM serves as "
         "Eagle3Qwen3ForCausalLM). With draft_attention mla the layer is DeepSeek's.",
+    )
+    sliding_window_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="A sliding window for the draft's attention: each query sees this many "
+        "most recent tokens, its own included, in training and as vLLM serves the checkpoint "
+        "(layer_types sliding_attention and sliding_window in transformer_layer_config), in "
+        "every draft layer (vLLM keeps a draft's layers in one KV cache group); null: full "
+        "attention. Checked at dry-run against the verifier's maximum length.",
     )
     init_from: str | None = Field(
         None,
