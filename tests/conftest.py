@@ -149,7 +149,9 @@ class Builds:
         from tests.workflow_runner import env, failure, snakemake_command
 
         build, targets = self.STEPS[step]
-        cmd = snakemake_command("--cores", "2", *targets)
+        # one core: the tests beside it keep the other (two torch jobs of two threads each on
+        # two cores stall each other in OpenMP: a demo build took 22 minutes instead of 4.5)
+        cmd = snakemake_command("--cores", "1", *targets)
         with self.lock:
             why_not = "the session ended" if self.stopped else None
             if any(self.STEPS[s][0] == build for s in self.errors):
