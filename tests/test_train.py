@@ -163,8 +163,8 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
         k = rotate(a.k_proj(x).view(nkv, hd), cos, sin)
         return q, k, a.v_proj(x).view(nkv, hd), residual
 
-    def attend(layer, q, keys, values, residual, pos):
-        """The query at position ``pos``; keys and values at positions 0..pos, in order; a
+    def attend(layer, q, keys, values, residual):
+        """A query over the keys and values of every position up to its own, in order; a
         sliding layer sees the ``window`` last of them (HF's and vLLM's convention)."""
         window = layer.self_attn.window
         if window is not None:
@@ -183,7 +183,7 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
         rows = [qkv(layer, token(t + 1), streams[t], t) for t in range(n)]
         K0, V0 = torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows])
         streams = [
-            attend(layer, rows[t][0], K0[: t + 1], V0[: t + 1], rows[t][3], t) for t in range(n)
+            attend(layer, rows[t][0], K0[: t + 1], V0[: t + 1], rows[t][3]) for t in range(n)
         ]
         prefix.append((K0, V0))
     out = {}
@@ -198,10 +198,18 @@ def decode_like_a_server(model: Eagle3Draft, aux, ids, ttt_steps):
                 keys = torch.cat([cache[i][0], kk[None]])
                 values = torch.cat([cache[i][1], vv[None]])
                 cache[i] = (keys, values)
-                r = attend(layer, q, keys, values, residual, t + k)
+                r = attend(layer, q, keys, values, residual)
             out[k, t] = r
             g = fed_back(r)
     return out
+
+
+def assert_unrolls_as_served(model, aux, ids, steps, unrolled) -> None:
+    """Each row's ``unrolled`` outputs equal decode_like_a_server's, float64 to 1e-10."""
+    for b in range(ids.shape[0]):
+        reference = decode_like_a_server(model, aux[b], ids[b], steps)
+        for (k, t), r in reference.items():
+            torch.testing.assert_close(unrolled[k][b, t], r, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize(
@@ -235,10 +243,7 @@ def test_ttt_unroll_equals_token_by_token_decoding(
     ids = torch.randint(0, 50, (2, L))
     with torch.no_grad():
         unrolled = model.unroll(aux, ids, steps)
-    for b in range(2):
-        reference = decode_like_a_server(model, aux[b], ids[b], steps)
-        for (k, t), r in reference.items():
-            torch.testing.assert_close(unrolled[k][b, t], r, atol=1e-10, rtol=1e-10)
+    assert_unrolls_as_served(model, aux, ids, steps, unrolled)
 
 
 @pytest.mark.parametrize("window, num_layers", [(4, 1), (6, 2), (9, 3)])
@@ -260,10 +265,7 @@ def test_a_sliding_window_unrolls_as_a_server_decodes_it(window, num_layers):
     assert not torch.allclose(unrolled[steps - 1], full[steps - 1])
     for layer in model.layers:
         layer.self_attn.window = window
-    for b in range(2):
-        reference = decode_like_a_server(model, aux[b], ids[b], steps)
-        for (k, t), r in reference.items():
-            torch.testing.assert_close(unrolled[k][b, t], r, atol=1e-10, rtol=1e-10)
+    assert_unrolls_as_served(model, aux, ids, steps, unrolled)
 
 
 @pytest.mark.parametrize("window", [4, 7, 40])
