@@ -17,10 +17,11 @@ sys.path.insert(0, str(WORKFLOW_DIR))
 from workflow_scripts.lib.common import UserError, atomic_path
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
 from workflow_scripts.lib.training import init_from
-from workflow_scripts.lib.verifier import preflight
+from workflow_scripts.lib.verifier import cluster, preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config
 from workflow_scripts.lib.workflow import cli as _cli
+from workflow_scripts.lib.workflow import nodes as _nodes
 from workflow_scripts.lib.workflow.code_inputs import (
     closure,
     closure_files,
@@ -79,17 +80,18 @@ def profile_resources(rule):
     return {name: getattr(value, "value", value) for name, value in dict(given).items()}
 
 
-# Training over several nodes against what the job would get: the profile's resources for rule
-# train, and SLURM's nodes (sinfo, in the profile's partition), asked only when num_nodes > 1.
+# The jobs over several nodes (train.num_nodes, <engine stage>.num_nodes) against what they would
+# get: the profile's resources for their rules, and SLURM's nodes (sinfo, in the profile's
+# partition), asked only when a job spans several nodes.
 try:
-    _train_given = profile_resources("train")
-    _partition = _train_given.get("slurm_partition") or getattr(
+    _given = {job.rule: profile_resources(job.rule) for job in cluster.node_jobs(CFG)}
+    _partition = _given["train"].get("slurm_partition") or getattr(
         (workflow.resource_settings.default_resources or {}).get("slurm_partition"), "value", None
     )
-    _warnings += preflight.check_node_counts(
+    _warnings += cluster.check_node_counts(
         CFG,
-        _train_given,
-        preflight.slurm_cluster(_partition) if CFG.train.num_nodes > 1 else None,
+        _given,
+        cluster.slurm_cluster(_partition) if cluster.spans_nodes(CFG) else None,
         REQUESTED_TARGETS,
     )
 except UserError as exc:
@@ -297,7 +299,7 @@ def conda_env(gpus=None):
     return "../envs/workflow-gpu.yaml" if gpus else "../envs/workflow.yaml"
 
 
-def stage_cmd(stage, gpus=None, nodes=1, threads_as=None, **extra):
+def stage_cmd(stage, gpus=None, nodes=1, engine=False, threads_as=None, **extra):
     """A params function: the stage's whole command, `<PYTHON> -m <module> <args>`, rendered
     from its config section and the named input, output and wildcards (plus ``extra`` values).
     Snakemake does not record params computed from input/output, hence stage_config beside it.
@@ -308,9 +310,11 @@ def stage_cmd(stage, gpus=None, nodes=1, threads_as=None, **extra):
     in CUDA_VISIBLE_DEVICES (a lease on local runs, SLURM's allocation on a cluster) and fails
     before the stage starts when there are fewer; with 0 the command runs unchanged.
 
-    ``nodes``: for a rule over several nodes (train.num_nodes), the command runs under
+    ``nodes``: for a rule over several nodes (<stage>.num_nodes), the command runs under
     workflow_scripts/lib/workflow/nodes.py, which starts it once on each node of the SLURM job
-    (srun), each with ``gpus`` GPUs of that node.
+    (srun), each with ``gpus`` GPUs of that node; with ``engine`` (a stage whose vLLM engine
+    spans the nodes), the command runs on the first node only and the engine's workers on the
+    others, ``gpus`` then counting the GPUs of one node.
 
     ``threads_as``: the stage's setting that takes the job's threads (what Snakemake gives the
     job, cores or the cluster's allocation); params from threads are not recorded, so a change
@@ -327,10 +331,24 @@ def stage_cmd(stage, gpus=None, nodes=1, threads_as=None, **extra):
             count = gpus(wildcards) if callable(gpus) else gpus
             cmd = f"{PYTHON} -m workflow_scripts.lib.workflow.gpus {int(count)} -- {cmd}"
         if nodes > 1:
-            cmd = f"{PYTHON} -m workflow_scripts.lib.workflow.nodes {nodes} -- {cmd}"
+            count = gpus(wildcards) if callable(gpus) else gpus or 0
+            meet = RESULTS / "nodes" if engine else None
+            cmd = _nodes.launch(PYTHON, nodes, cmd, f"{spec.config_key}.num_nodes", meet, count)
         return cmd
 
     return render
+
+
+def node_resources(nodes, gpus_per_node):
+    """A GPU rule's resources besides ``gpu`` (the job's total): one node, or ``nodes`` whole
+    nodes for one SLURM job with ``gpus_per_node`` GPUs on each (gres is per node), the command
+    run once on the first node (mpi: the executor adds no srun of its own) and started on the
+    others by the nodes launcher (workflow_scripts/lib/workflow/nodes.py: srun, one task per
+    node)."""
+    if nodes == 1:
+        return dict(nodes=1)
+    gres = dict(gres=f"gpu:{gpus_per_node}") if gpus_per_node else {}
+    return dict(nodes=nodes, tasks=nodes, mpi="srun") | gres
 
 
 def command_now(stage, **files):

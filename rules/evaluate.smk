@@ -1,4 +1,5 @@
-EVALUATE_GPUS = CFG.evaluate.gpus
+EVALUATE_GPUS = CFG.evaluate.gpus  # on all the job's nodes together
+EVALUATE_NODES = CFG.evaluate.num_nodes
 
 
 rule evaluate_draft:
@@ -29,10 +30,17 @@ rule evaluate_draft:
         conda_env(EVALUATE_GPUS)
     threads: workflow.cores
     resources:
+        **node_resources(EVALUATE_NODES, CFG.evaluate.gpus_per_node),
         gpu=EVALUATE_GPUS,
     params:
         config=stage_config("evaluate"),
-        cmd=stage_cmd("evaluate", gpus=EVALUATE_GPUS, verifier=VERIFIER_DIR),
+        cmd=stage_cmd(
+            "evaluate",
+            gpus=CFG.evaluate.gpus_per_node,
+            nodes=EVALUATE_NODES,
+            engine=True,
+            verifier=VERIFIER_DIR,
+        ),
     shell:
         "{params.cmd} > {log} 2>&1"
 

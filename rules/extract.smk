@@ -4,7 +4,8 @@
 # whose fingerprint still matches (a killed job redoes only the shards it had not finished).
 EXTRACT = RESULTS / "extract"
 EXTRACT_SHARDS = EXTRACT / "shards"
-EXTRACT_GPUS = CFG.extract.gpus
+EXTRACT_GPUS = CFG.extract.gpus  # on all the job's nodes together
+EXTRACT_NODES = CFG.extract.num_nodes
 
 
 rule extract:
@@ -26,10 +27,18 @@ rule extract:
         conda_env(EXTRACT_GPUS)
     threads: 4 if CFG.extract.use_gpus else workflow.cores
     resources:
+        **node_resources(EXTRACT_NODES, CFG.extract.gpus_per_node),
         gpu=EXTRACT_GPUS,
     params:
         config=stage_config("extract", job_layout=True),
-        cmd=stage_cmd("extract", gpus=EXTRACT_GPUS, verifier=VERIFIER_DIR, shard_dir=EXTRACT_SHARDS),
+        cmd=stage_cmd(
+            "extract",
+            gpus=CFG.extract.gpus_per_node,
+            nodes=EXTRACT_NODES,
+            engine=True,
+            verifier=VERIFIER_DIR,
+            shard_dir=EXTRACT_SHARDS,
+        ),
     shell:
         "{params.cmd} > {log} 2>&1"
 
@@ -52,6 +61,9 @@ checkpoint extract_merge:
     conda:
         conda_env()
     params:
+        # extract's settings too: after a failed extract job (its part removed), a rerun merges
+        # again, and so runs the job again, instead of keeping the manifest of the old settings
+        config=stage_config("extract", job_layout=True),
         cmd=stage_cmd("extract_merge"),
     shell:
         "{params.cmd} > {log} 2>&1"

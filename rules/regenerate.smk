@@ -4,7 +4,8 @@
 # is no rule's output: a killed job, started again, redoes only the batches it had not finished.
 REGENERATE = RESULTS / "regenerate"
 REGENERATE_WORK = REGENERATE / "batches"
-REGENERATE_GPUS = CFG.regenerate.gpus
+REGENERATE_GPUS = CFG.regenerate.gpus  # on all the job's nodes together
+REGENERATE_NODES = CFG.regenerate.num_nodes
 
 
 rule regenerate:
@@ -26,11 +27,17 @@ rule regenerate:
         conda_env(REGENERATE_GPUS)
     threads: 4 if CFG.regenerate.use_gpus else workflow.cores
     resources:
+        **node_resources(REGENERATE_NODES, CFG.regenerate.gpus_per_node),
         gpu=REGENERATE_GPUS,
     params:
         config=stage_config("regenerate", job_layout=True),
         cmd=stage_cmd(
-            "regenerate", gpus=REGENERATE_GPUS, verifier=VERIFIER_DIR, work_dir=REGENERATE_WORK
+            "regenerate",
+            gpus=CFG.regenerate.gpus_per_node,
+            nodes=REGENERATE_NODES,
+            engine=True,
+            verifier=VERIFIER_DIR,
+            work_dir=REGENERATE_WORK,
         ),
     shell:
         "{params.cmd} > {log} 2>&1"
@@ -53,6 +60,8 @@ checkpoint regenerate_merge:
     conda:
         conda_env()
     params:
+        # regenerate's settings too (as extract_merge's: a failed job's part is run again)
+        config=stage_config("regenerate", job_layout=True),
         cmd=stage_cmd("regenerate_merge", work_dir=REGENERATE_WORK),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -17,16 +17,9 @@ TRAIN_GPUS = CFG.train.num_gpus + (
 )
 if STREAMED and CFG.extract.share_training_gpus:
     TRAIN_GPUS = max(CFG.train.num_gpus, CFG.extract.gpus)
-# Over several nodes (train.num_nodes): one SLURM job of whole nodes, TRAIN_GPUS on each (gres
-# is per node; Snakemake's gpu counts the job's total), the command run once on the first node
-# (mpi: the executor adds no srun of its own) and started on every node by the nodes launcher
-# (workflow_scripts/lib/workflow/nodes.py: srun, one task per node).
+# Over several nodes (train.num_nodes): one SLURM job of whole nodes, TRAIN_GPUS on each
+# (common.smk node_resources), started on every node by the nodes launcher.
 NODES = CFG.train.num_nodes
-NODE_RESOURCES = dict(nodes=NODES) | (
-    dict(tasks=NODES, mpi="srun") | (dict(gres=f"gpu:{TRAIN_GPUS}") if TRAIN_GPUS else {})
-    if NODES > 1
-    else {}
-)
 ENGINE_CMD = (
     command_now(
         "extract_stream",
@@ -81,7 +74,7 @@ rule train:
         conda_env(TRAIN_GPUS)
     threads: workflow.cores
     resources:
-        **NODE_RESOURCES,
+        **node_resources(NODES, TRAIN_GPUS),
         gpu=TRAIN_GPUS * NODES,
     params:
         config=stage_config("train"),

@@ -27,7 +27,7 @@ from workflow_scripts.lib.workflow.params_base import BY_DEVICE, EngineSettings
 from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_EXAMPLES = ("config.gpu-8x.yaml", "config.kimi-k25-8x.yaml")
+GPU_EXAMPLES = ("config.gpu-8x.yaml", "config.kimi-k25-8x.yaml", "config.deepseek-v3-2x8.yaml")
 ENGINE_STAGES = [
     stage
     for stage, spec in STAGES.items()

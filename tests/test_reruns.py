@@ -44,6 +44,11 @@ RULE_OF = {"evaluate": "evaluate_draft"}  # a stage's rule, where its name is no
 RECORD = "resolved_config"  # records every result setting: reruns on any of them
 # settings that have no other valid value in this config (a CPU run), or one no generated value
 # can be (a path to a draft), with the reason
+# settings changed together with another of the same effect, where no value is valid alone: an
+# engine over several nodes has a worker on each at least
+TOGETHER = {
+    (s, "num_nodes"): {"tensor_parallel_size": 2} for s in ("regenerate", "extract", "evaluate")
+}
 NO_OTHER_VALUE = {
     ("evaluate", "sampled_temperature"): "sampling under speculative decoding needs GPUs",
     ("train", "init_from"): "a draft directory; tests/test_pipeline.py starts from the build's own",
@@ -115,7 +120,7 @@ def other_valid_config(work: Path, stage: str, name: str, base: dict) -> dict | 
     shipped = yaml.safe_load((work / "config.yaml").read_text())
     current = getattr(load_config(merged(shipped, base)), stage).model_dump(mode="json")[name]
     for value in candidates(params.model_fields[name].annotation, current):
-        changed = merged(base, {stage: {name: value}})
+        changed = merged(base, {stage: {name: value, **TOGETHER.get((stage, name), {})}})
         try:
             load_config(merged(shipped, changed))
         except ConfigError:

@@ -463,3 +463,93 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
     text = train_log.read_text()
     assert re.search(r"resumed from \S+state.pt at step (20|40) of 50", text), text[-3000:]
     assert sha256_file(draft) == one_node_draft
+
+
+# ----------------------------------------------------------------- the verifier over two nodes
+
+# Extraction with the verifier's engine over both nodes (tensor parallel 2, one CPU worker a
+# node), into shards of 4 samples (many, so that a node is lost with most of them to compute)
+ENGINE_NODES = {"num_nodes": 2, "tensor_parallel_size": 2, "use_gpus": False}
+ENGINE_ON_CPU = {"tasks_per_gpu": 0, "cpus_per_task": 1, "mem_mb": 6000, "runtime": 30}
+CONCATENATED = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
+
+
+def _states(shard_dir: Path) -> dict:
+    """Every shard's tensors, concatenated in shard order (the same samples, however cut)."""
+    import torch
+    from safetensors.torch import load_file
+
+    shards = [load_file(p) for p in sorted(shard_dir.glob("shard_*.safetensors"))]
+    return {k: torch.cat([s[k] for s in shards]) for k in CONCATENATED}
+
+
+@pytest.mark.workflow
+def test_extraction_with_the_verifier_over_two_nodes_gives_one_nodes_states_and_resumes(
+    slurm_cluster, mechanics_build, tmp_path
+):
+    """`snakemake --profile ... hidden_states` with extract.num_nodes 2: one SLURM job over both
+    nodes, the stage on the first and the engine's follower on the second (srun), vLLM's engine
+    across them (tensor parallel 2, ranks meeting over TCP as on two machines). The second
+    node's processes are killed once some shards are done: the job fails, naming the node. The
+    same command resumes, computing only the shards not finished, and the states equal those
+    the build's one-node engine extracted (to float32 round-off: tensor parallelism sums in
+    another order), token ids and loss masks exactly."""
+    built, _ = mechanics_build
+    workdir = tmp_path / "wf"
+    shutil.copytree(built, workdir, symlinks=True)
+    config = yaml.safe_load((built / "test_config.yaml").read_text()) or {}
+    config["extract"] = {**config.get("extract", {}), **ENGINE_NODES, "shard_size_samples": 4}
+    workflow_runner.write_config(workdir, config)
+    profile = merged_profile(tmp_path / "profile")
+    settings = yaml.safe_load((profile / "config.yaml").read_text())
+    settings["set-resources"]["extract"] = ENGINE_ON_CPU
+    (profile / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+    shards = workdir / "results" / "extract" / "shards"
+    shutil.rmtree(shards)
+    log = workdir / "results" / "logs" / "extract" / "job_0.log"
+
+    def run(name: str) -> subprocess.Popen:
+        cmd = [
+            str(Path(sys.executable).parent / "snakemake"), "hidden_states", "--profile",
+            str(profile), "--configfile", "test_config.yaml",
+        ]  # fmt: skip
+        out = open(tmp_path / f"{name}.log", "w")
+        return subprocess.Popen(
+            cmd, cwd=workdir, env=workflow_runner.env(), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    # the second node lost once two shards are done: the job fails, naming it
+    proc = run("killed")
+    deadline = time.monotonic() + 900
+    while len(list(shards.glob("shard_*.sha256.json"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
+        time.sleep(0.2)
+    killed = _node_processes(f"{HOST}-1")
+    assert killed, "no engine process found on the second node"
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    assert _finish(proc, workdir, slurm_cluster) != 0
+    text = log.read_text()
+    job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
+    rec = all_jobs()[job]
+    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
+    assert f"the stage on {HOST}, its followers started by srun --nodes=1" in text
+    assert f"node 1 ({HOST}-1) of 2: starting its workers" in text
+    assert f"error: the engine's workers on {HOST}-1 stopped while the stage ran" in text
+    done = len(list(shards.glob("shard_*.sha256.json")))
+    time.sleep(2)
+    assert not _node_processes(HOST) and not _node_processes(f"{HOST}-1")  # none left behind
+
+    # the same command again: only the shards not finished, then the one-node states
+    proc = run("resumed")
+    assert _finish(proc, workdir, slurm_cluster) == 0, _failed_job_logs(workdir)
+    text = log.read_text()
+    found = re.search(r"(\d+) finished already, (\d+) to compute", text)
+    assert found and int(found[1]) >= done and int(found[1]) + int(found[2]) > done, text[-3000:]
+    ours, one_node = _states(shards), _states(built / "results" / "extract" / "shards")
+    for key in ("input_ids", "loss_mask"):
+        assert ours[key].equal(one_node[key]), key
+    for key in ("aux_hidden_states", "final_hidden_states"):
+        scale = one_node[key].abs().max()
+        assert ((ours[key] - one_node[key]).abs().max() / scale).item() < 1e-5, key

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from tests import multinode
 from workflow_scripts.lib.common import UserError, sha256_file
-from workflow_scripts.lib.verifier import preflight
+from workflow_scripts.lib.verifier import cluster, preflight
 from workflow_scripts.lib.workflow import gpus, nodes
 from workflow_scripts.lib.workflow.config import load_config
 
@@ -67,29 +67,30 @@ def test_gpu_leases_are_per_node_of_a_slurm_job(tmp_path):
 
 def test_node_counts_against_the_profile_and_the_cluster():
     two = cfg(num_nodes=2, num_gpus=8)
-    cluster = {"nodes": 2, "gpus_per_node": 8, "partition": "gpu"}
-    assert preflight.check_node_counts(two, {}, cluster) == []
-    assert preflight.check_node_counts(cfg(), {"nodes": 1}, None) == []  # one node: no SLURM
+    slurm = {"nodes": 2, "gpus_per_node": 8, "partition": "gpu"}
+    train = lambda **given: {"train": given}  # noqa: E731  the profile's set-resources for train
+    assert cluster.check_node_counts(two, {}, slurm) == []
+    assert cluster.check_node_counts(cfg(), train(nodes=1), None) == []  # one node: no SLURM
     refused = {
-        "the profile sets nodes: 1 for rule train": ({"nodes": 1}, cluster, two),
-        "the profile sets tasks: 1 for rule train": ({"tasks": 1}, cluster, two),
+        "the profile sets nodes: 1 for rule train": (train(nodes=1), slurm, two),
+        "the profile sets tasks: 1 for rule train": (train(tasks=1), slurm, two),
         "but SLURM has 2 node(s) in partition gpu; lower train.num_nodes": (
             {},
-            cluster,
+            slurm,
             cfg(num_nodes=3),
         ),
         "train.num_gpus is 8 GPUs on each of train.num_nodes 2 nodes, but SLURM's nodes in "
-        "partition gpu have at most 4": ({}, {**cluster, "gpus_per_node": 4}, two),
+        "partition gpu have at most 4": ({}, {**slurm, "gpus_per_node": 4}, two),
     }
     for why, (overrides, where, config) in refused.items():
         with pytest.raises(UserError) as exc:
-            preflight.check_node_counts(config, overrides, where)
+            cluster.check_node_counts(config, overrides, where)
         assert why in str(exc.value) and "train.num_nodes" in str(exc.value), str(exc.value)
     # no SLURM here: nothing to check against, a warning only (the job stops outside SLURM)
-    (warning,) = preflight.check_node_counts(two, {}, None)
+    (warning,) = cluster.check_node_counts(two, {}, None)
     assert "train.num_nodes is 2" in warning and "SLURM cannot be reached here" in warning
     # a target that needs no training: a warning
-    (warning,) = preflight.check_node_counts(two, {"nodes": 1}, cluster, ["vocab_map"])
+    (warning,) = cluster.check_node_counts(two, train(nodes=1), slurm, ["vocab_map"])
     assert "the profile sets nodes: 1" in warning
 
 

@@ -123,3 +123,15 @@ def read_json(path: Path | str) -> Any:
         raise UserError(f"{path}: file not found") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
+
+
+# What the nodes launcher (lib/workflow/nodes.py) tells a stage whose vLLM engine spans several
+# nodes, and the engine's followers on the other nodes (lib/verifier/engine_nodes.py)
+ENGINE_NODES_ENV = "EAGLE3_ENGINE_NODES"  # the engine's node count
+ENGINE_HOSTS_ENV = (
+    "EAGLE3_ENGINE_HOSTS"  # the job's SLURM node names, comma-separated, node 0 first
+)
+ENGINE_MASTER_ADDR_ENV = (
+    "EAGLE3_ENGINE_MASTER_ADDR"  # node 0's address: the engine's ranks meet there
+)
+ENGINE_ARGS_ENV = "EAGLE3_ENGINE_ARGS"  # the file node 0 publishes its engine's arguments in

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.verifier import engine_nodes
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.verifier.files import own_dtype
 from workflow_scripts.lib.verifier.memory import check_gpu_memory, weights_in_memory
@@ -66,7 +67,7 @@ def check_devices(
             visible = torch.cuda.device_count()
         except Exception:
             visible = 0
-        tp = settings.gpus
+        tp = settings.gpus_per_node
         if visible < tp:
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
             asked = (
@@ -74,6 +75,11 @@ def check_devices(
                 if settings.pipeline_parallel_size > 1
                 else f"{section}.tensor_parallel_size is {tp}"
             )
+            if settings.num_nodes > 1:
+                asked = (
+                    f"{section}.tensor_parallel_size {settings.gpus} over {section}.num_nodes "
+                    f"{settings.num_nodes} is {tp} a node"
+                )
             raise UserError(
                 f"{asked} with "
                 f"{section}.use_gpus true, but {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
@@ -130,6 +136,7 @@ def engine_args(settings, verifier: Path | str, dtype: str, seed: int = 0, **ext
         enforce_eager=settings.enforce_eager,
         seed=seed,
     )
+    kwargs.update(engine_nodes.driver_args(settings))  # over several nodes: node 0
     if settings.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     if verifier_files.is_multimodal_wrapper(verifier):
@@ -196,6 +203,10 @@ def make_llm(kwargs: dict[str, Any], use_gpus: bool, in_process: bool | None = N
     import torch
 
     tp = int(kwargs.get("tensor_parallel_size", 1))
+    nodes = int(kwargs.get("nnodes", 1))
+    if nodes > 1:  # node 0 of several: the other nodes start their workers from these arguments
+        engine_nodes.publish(kwargs)
+        in_process = False
     if in_process is None:
         # a multimodal verifier's engine runs in processes of its own: its image processor
         # imports numba's llvmlite, whose FFI objects break vLLM's CPU worker when that scans
@@ -205,8 +216,8 @@ def make_llm(kwargs: dict[str, Any], use_gpus: bool, in_process: bool | None = N
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         torch.set_num_threads(cpu_threads())
-    if not use_gpus and tp > 1:
-        bind_cpu_workers(tp)
+    if not use_gpus and tp // nodes > 1:
+        bind_cpu_workers(tp // nodes)
     if kwargs.get("kv_transfer_config") and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
         # vLLM's CPU backend keeps one more core free when a KV connector is configured (for
         # network transfers); the extraction connector writes from the worker's own thread, so
@@ -233,3 +244,4 @@ def close_llm(llm, timeout_s: float = 2.0) -> None:
         llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
     except Exception as exc:  # shutting down is best effort
         log.debug("engine shutdown: %r", exc)
+    engine_nodes.withdraw()  # over several nodes: the others stop their workers

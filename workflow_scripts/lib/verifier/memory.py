@@ -162,10 +162,17 @@ def check_gpu_memory(
     )
     gpu = f"one GPU's {gb(gpu_bytes)} ({source})"
     weights_on = f"the verifier's weights ({gb(weights)}) on {split} GPU(s), {gb(per_gpu)} a GPU"
+    nodes = getattr(settings, "num_nodes", 1)
+    per_node = tp // nodes  # over several nodes, more GPUs are more nodes of as many GPUs
+
+    def more(t: int) -> str:
+        over = f" over {section}.num_nodes {t // per_node}" if nodes > 1 else ""
+        return f"raise {section}.tensor_parallel_size to {t}{over}"
+
     fixes = [
-        f"raise {section}.tensor_parallel_size to {t}"
+        more(t)
         for t in _parallel_sizes(cfg, tp)
-        if sum(needs(t)) <= budget
+        if sum(needs(t)) <= budget and (nodes == 1 or t % per_node == 0)
     ][:1]
     if kv is not None:
         what = f"{weights_on}, and {section}.kv_cache_memory_bytes {kv} ({gb(kv)}) exceed {gpu}"

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -160,6 +157,14 @@ def check_eagle3(settings, section: str, cfg: dict[str, Any], need: str, in_job:
 def check_extract(p, cfg: dict[str, Any], in_job: bool = True) -> list[int]:
     """The extract settings; returns the auxiliary layer ids, ascending."""
     aux = verifier_files.aux_layer_ids(cfg, p.aux_layer_ids)
+    if p.backend == "vllm" and p.pipeline_parallel_size > 1:
+        raise UserError(
+            f"extract.pipeline_parallel_size {p.pipeline_parallel_size}: vLLM's hidden-state "
+            "extraction runs at pipeline parallel size 1 only (its connector expects its cache "
+            "layer on every rank, which only the last stage has); set "
+            "extract.pipeline_parallel_size: 1 and split the verifier with "
+            "extract.tensor_parallel_size (over several nodes: extract.num_nodes)"
+        )
     if p.backend == "vllm":
         check_engine(p, "extract", cfg)
         check_eagle3(
@@ -263,71 +268,31 @@ def check_gpu_counts(
     requested ``targets`` need; returns warnings for the others (``by_targets``)."""
     problems: dict[str, list[str]] = {}  # by stage: each key is <stage>.<setting>
     for key, n in gpu_asks(cfg).items():
-        found = problems.setdefault(key.split(".")[0], [])
-        nodes = cfg.train.num_nodes if key.startswith("train.") else 1
-        total, total_key = n * nodes, key if nodes == 1 else f"{key} x train.num_nodes"
+        stage = key.split(".")[0]
+        found = problems.setdefault(stage, [])
+        if stage == "train":  # train.num_gpus: on each node
+            nodes, total = cfg.train.num_nodes, n * cfg.train.num_nodes
+            total_key = key if nodes == 1 else f"{key} x train.num_nodes"
+            per_node, per_node_key = n, key
+        else:  # an engine's GPUs: over all its nodes
+            nodes, total, total_key = getattr(cfg, stage).num_nodes, n, key
+            per_node, per_node_key = n // nodes, key if nodes == 1 else f"{key} / {stage}.num_nodes"
         if available is not None and total > available:
             found.append(
                 f"{total_key} is {total} GPUs, but snakemake --resources gpu={available} gives "
                 f"at most {available}; lower {key.split(' x ')[0]}, or give Snakemake more GPUs"
             )
-        if cfg.gpus_per_node is not None and n > cfg.gpus_per_node:
+        if cfg.gpus_per_node is not None and per_node > cfg.gpus_per_node:
             where = "a job runs on one node" if nodes == 1 else "that many run on each node"
+            more = "" if stage == "train" or nodes == 1 else f", or raise {stage}.num_nodes"
             found.append(
-                f"{key} is {n} GPUs, but a node has {cfg.gpus_per_node} (gpus_per_node) and "
-                f"{where}; lower {key.split(' x ')[0]}"
+                f"{per_node_key} is {per_node} GPUs, but a node has {cfg.gpus_per_node} "
+                f"(gpus_per_node) and {where}; lower {key.split(' x ')[0]}{more}"
             )
     errors, warnings = by_targets(problems, targets)
     if errors:
         raise UserError("\n".join(errors))
     return warnings
-
-
-def check_node_counts(
-    cfg,
-    overrides: dict[str, Any],
-    cluster: dict[str, Any] | None,
-    targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,),
-) -> list[str]:
-    """train.num_nodes against what the job will get: the profile's resources for rule train
-    (``overrides``: a set-resources entry replaces the rule's own), and the SLURM cluster
-    (``cluster``: its node count and most GPUs on a node, from sinfo; None where there is no
-    SLURM here, which is warned of only: nothing to check against). Raises for the requested
-    ``targets``; returns warnings for the others."""
-    n, gpus = cfg.train.num_nodes, cfg.train.num_gpus
-    found: list[str] = []
-    unknown: list[str] = []  # what cannot be checked here: a warning whatever the targets
-    for name, want in (("nodes", n), ("tasks", n)):
-        got = overrides.get(name)
-        if got is not None and (n > 1 or name == "nodes") and int(got) != want:
-            found.append(
-                f"train.num_nodes is {n}, but the profile sets {name}: {got} for rule train "
-                f"(set-resources; it replaces the rule's own {name}: {want}): remove it from "
-                "the profile"
-            )
-    if n > 1 and cluster is None:
-        unknown.append(
-            f"train.num_nodes is {n}: training over several nodes runs in a SLURM job of {n} "
-            "nodes, and SLURM cannot be reached here (no sinfo) to check that it has them; run "
-            "with the SLURM profile on the cluster (the train job stops at once outside SLURM)"
-        )
-    elif n > 1:
-        where = f" in partition {cluster['partition']}" if cluster.get("partition") else ""
-        if cluster["nodes"] < n:
-            found.append(
-                f"train.num_nodes is {n}, but SLURM has {cluster['nodes']} node(s){where}; "
-                "lower train.num_nodes"
-            )
-        if gpus > cluster["gpus_per_node"]:
-            found.append(
-                f"train.num_gpus is {gpus} GPUs on each of train.num_nodes {n} nodes, but "
-                f"SLURM's nodes{where} have at most {cluster['gpus_per_node']}; lower "
-                "train.num_gpus"
-            )
-    errors, warnings = by_targets({"train": found} if found else {}, targets)
-    if errors:
-        raise UserError("\n".join(errors))
-    return warnings + unknown
 
 
 def check_global_batch(
@@ -354,28 +319,6 @@ def check_global_batch(
     if errors:
         raise UserError("\n".join(errors))
     return warnings
-
-
-def slurm_cluster(partition: str | None, timeout_s: float = 10) -> dict[str, Any] | None:
-    """The SLURM cluster's node count and most GPUs on one node (of ``partition``, or all), from
-    ``sinfo``; None where there is no SLURM here."""
-    if shutil.which("sinfo") is None:
-        return None
-    cmd = ["sinfo", "-h", "-N", "-o", "%N %G", *(["-p", partition] if partition else [])]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
-    except (subprocess.SubprocessError, OSError):
-        return None
-    nodes: dict[str, int] = {}
-    for line in out.stdout.splitlines():
-        name, _, gres = line.partition(" ")
-        gpus = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
-        nodes[name] = max(nodes.get(name, 0), sum(gpus))
-    return {
-        "nodes": len(nodes),
-        "gpus_per_node": max(nodes.values(), default=0),
-        "partition": partition,
-    }
 
 
 def check_workflow(

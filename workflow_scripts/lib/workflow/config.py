@@ -71,6 +71,7 @@ DOCS = {
     "train.report_to": "docs/training.md#training-curves",
     "train.wandb_*": "docs/training.md#training-curves",
     "train.num_nodes": "docs/training.md#several-nodes",
+    "*.num_nodes": "docs/gpu-and-slurm.md#a-verifier-larger-than-one-node",
     **{
         f"regenerate.{key}": _REGENERATE
         for key in ("enabled", "temperature", "top_p", "max_new_tokens_per_turn", "on_*")

@@ -132,6 +132,8 @@ class RegenerateParams(EngineSettings):
     """Optional, before prepare: the verifier answers the dataset's user turns itself
     (self-distillation), turn by turn with the conversation so far."""
 
+    SECTION = "regenerate"
+
     EXECUTION = {
         **EngineSettings.EXECUTION,
         "num_jobs": "how the batches are shared out; each batch is the same whichever job "
@@ -249,6 +251,8 @@ class VocabParams(StageParams):
 class ExtractParams(EngineSettings):
     """Verifier hidden states for every tokenized sample, written as safetensors shards."""
 
+    SECTION = "extract"
+
     EXECUTION = {
         **EngineSettings.EXECUTION,
         "num_jobs": "how the shards are shared out; each shard is the same whichever job "
@@ -353,6 +357,8 @@ class ExtractParams(EngineSettings):
 
 class EvaluateParams(EngineSettings):
     """Acceptance of the trained draft under vLLM speculative decoding."""
+
+    SECTION = "evaluate"
 
     # evaluate measures throughput, which every engine setting changes: all its settings are
     # result settings

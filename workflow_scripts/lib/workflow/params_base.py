@@ -87,13 +87,21 @@ class EngineSettings(StageParams):
     ``auto`` hold their value for use_gpus once validated, so that the rendered command line, the
     recorded settings and the engine all see the value the job runs with."""
 
+    SECTION: ClassVar[str] = "engine"  # the stage's config section, for messages
+
     @property
     def gpus(self) -> int:
-        """GPUs one job of the stage reserves."""
+        """GPUs one job of the stage reserves, on all its nodes together."""
         return self.tensor_parallel_size * self.pipeline_parallel_size if self.use_gpus else 0
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs one job of the stage reserves on each of its ``num_nodes`` nodes."""
+        return self.gpus // self.num_nodes
 
     EXECUTION = {
         "tensor_parallel_size": "how the engine is split over GPUs",
+        "num_nodes": "how the engine is split over nodes",
         "pipeline_parallel_size": "how the engine is split over GPUs",
         "use_gpus": "where the engine runs; with dtype auto, the dtype it resolves to is "
         "recorded as a result setting",
@@ -114,6 +122,16 @@ class EngineSettings(StageParams):
         description="Pipeline stages per engine (vLLM pipeline_parallel_size), GPUs only; "
         "with EAGLE-3 (extraction, the draft served) only for verifiers whose vLLM model keeps "
         "the auxiliary hidden states over stages (checked at dry-run).",
+    )
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description="Nodes one engine spans (SLURM), for a verifier larger than one node: each "
+        "job reserves num_nodes whole nodes, starts the verifier's workers on every one and the "
+        "stage on the first, with tensor_parallel_size over all their GPUs "
+        "(tensor_parallel_size / num_nodes on each, pipeline_parallel_size 1). Tensor "
+        "parallelism then crosses the network between nodes at every layer: use it only for a "
+        "verifier that no single node holds.",
     )
     use_gpus: bool = Field(
         True,
@@ -152,6 +170,24 @@ class EngineSettings(StageParams):
         "is float32 on the CPU and on GPUs the verifier's own dtype (bfloat16 if that is "
         "float32).",
     )
+
+    @model_validator(mode="after")
+    def _split_over_nodes(self) -> "EngineSettings":
+        n, tp = self.num_nodes, self.tensor_parallel_size
+        if n > 1 and tp % n:
+            raise ValueError(
+                f"{self.SECTION}.tensor_parallel_size {tp} over {self.SECTION}.num_nodes {n}: "
+                "each node takes an equal share of the workers; give a tensor_parallel_size "
+                f"that is a multiple of {n}"
+            )
+        if n > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{self.SECTION}.pipeline_parallel_size {self.pipeline_parallel_size} with "
+                f"{self.SECTION}.num_nodes {n}: an engine over several nodes splits the verifier "
+                "by tensor parallelism only; set pipeline_parallel_size: 1 and "
+                "tensor_parallel_size to the GPUs of all the nodes"
+            )
+        return self
 
     @model_validator(mode="after")
     def _resolve_by_device(self) -> "EngineSettings":
