@@ -364,11 +364,13 @@ def _node_processes(node: str) -> list[int]:
     return found
 
 
-def _snakemake(workdir: Path, profile: Path, log_path: Path, *args: str) -> subprocess.Popen:
-    """`snakemake draft_ckpt --profile P` in ``workdir``, in a session of its own, writing to
+def _snakemake(
+    workdir: Path, profile: Path, log_path: Path, *args: str, target: str = "draft_ckpt"
+) -> subprocess.Popen:
+    """`snakemake TARGET --profile P` in ``workdir``, in a session of its own, writing to
     ``log_path``."""
     cmd = [
-        str(Path(sys.executable).parent / "snakemake"), "draft_ckpt", "--profile", str(profile),
+        str(Path(sys.executable).parent / "snakemake"), target, "--profile", str(profile),
         "--configfile", "test_config.yaml", *args,
     ]  # fmt: skip
     log = open(log_path, "w")
@@ -380,6 +382,28 @@ def _snakemake(workdir: Path, profile: Path, log_path: Path, *args: str) -> subp
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _lose_second_node(
+    proc, ready, what: str, workdir: Path, slurm_cluster, log: Path, wait_s: float
+) -> str:
+    """Once ``ready()`` (within ``wait_s``), every process of ours on the second node killed
+    (kill -9): the run fails, its job one over both nodes (SLURM's record); returns the rule's
+    log."""
+    deadline = time.monotonic() + wait_s
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
+        time.sleep(0.2)
+    killed = _node_processes(f"{HOST}-1")
+    assert killed, f"no {what} process found on the second node"
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    assert _finish(proc, workdir, slurm_cluster) != 0
+    text = log.read_text()
+    job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
+    rec = all_jobs()[job]
+    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
+    return text
 
 
 def _finish(proc: subprocess.Popen, workdir: Path, slurm_cluster: list[str]) -> int:
@@ -434,19 +458,10 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
     shutil.rmtree(workdir / "results" / "train" / "state")
     state = workdir / "results" / "train" / "state" / "state.pt"
     proc = _snakemake(workdir, profile, tmp_path / "killed.log")
-    deadline = time.monotonic() + 600
-    while not state.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
-        time.sleep(0.2)
-    killed = _node_processes(f"{HOST}-1")
-    assert killed, "no training process found on the second node"
-    for pid in killed:
-        os.kill(pid, signal.SIGKILL)
-    assert _finish(proc, workdir, slurm_cluster) != 0
-    text = train_log.read_text()
+    text = _lose_second_node(
+        proc, state.exists, "training", workdir, slurm_cluster, train_log, wait_s=600
+    )
     job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
-    rec = all_jobs()[job]
-    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
     port = 20000 + int(job) % 20000
     for rank, node in enumerate((HOST, f"{HOST}-1")):
         assert f"node {rank} of 2 (SLURM job {job}, node {node}): starting 1 training" in text
@@ -509,31 +524,12 @@ def test_extraction_with_the_verifier_over_two_nodes_gives_one_nodes_states_and_
     log = workdir / "results" / "logs" / "extract" / "job_0.log"
 
     def run(name: str) -> subprocess.Popen:
-        cmd = [
-            str(Path(sys.executable).parent / "snakemake"), "hidden_states", "--profile",
-            str(profile), "--configfile", "test_config.yaml",
-        ]  # fmt: skip
-        out = open(tmp_path / f"{name}.log", "w")
-        return subprocess.Popen(
-            cmd, cwd=workdir, env=workflow_runner.env(), stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        return _snakemake(workdir, profile, tmp_path / f"{name}.log", target="hidden_states")
 
     # the second node lost once two shards are done: the job fails, naming it
     proc = run("killed")
-    deadline = time.monotonic() + 900
-    while len(list(shards.glob("shard_*.sha256.json"))) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, _failed_job_logs(workdir)
-        time.sleep(0.2)
-    killed = _node_processes(f"{HOST}-1")
-    assert killed, "no engine process found on the second node"
-    for pid in killed:
-        os.kill(pid, signal.SIGKILL)
-    assert _finish(proc, workdir, slurm_cluster) != 0
-    text = log.read_text()
-    job = re.search(r"^nodes: SLURM job (\d+): 2 nodes", text, flags=re.M).group(1)
-    rec = all_jobs()[job]
-    assert rec["NumNodes"] == "2" and rec["NumTasks"] == "2", rec
+    two_done = lambda: len(list(shards.glob("shard_*.sha256.json"))) >= 2  # noqa: E731
+    text = _lose_second_node(proc, two_done, "engine", workdir, slurm_cluster, log, wait_s=900)
     assert f"the stage on {HOST}, its followers started by srun --nodes=1" in text
     assert f"node 1 ({HOST}-1) of 2: starting its workers" in text
     assert f"error: the engine's workers on {HOST}-1 stopped while the stage ran" in text
