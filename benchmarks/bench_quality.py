@@ -14,9 +14,13 @@ evaluate), and reuses the rest (the verifier, the regenerated answers, the shard
 --lanes N, N runs go at once, each with its share of --cores, in N working directories: the
 first, then N - 1 copies of it (<workdir>.lane1, ...) made once its first run has built the
 stages they share. Each run's evaluation and training metrics are kept under
-<workdir>/bench/<variant>@<seed>/; a run done before is not run again (delete its directory to
-redo it), so an interrupted benchmark goes on where it stopped, and the table says how long the
-runs took.
+<workdir>/bench/<variant>@<seed>/, and what the table needs of it is kept in the repository,
+benchmarks/results/quality/<variant>@<seed>.json (--kept), with the fingerprints of the code of
+every stage the run ran: a run kept by the same code is not run again, so an interrupted benchmark
+goes on where it stopped, in this working directory or in a fresh clone (whose build of the
+shared stages gives the same bytes on a CPU of the same kind, see
+docs/evaluation-and-quality.md). A run kept by other code is run again (delete its file to redo
+any run). The table says how long the runs took.
 
 The table (also written to <workdir>/bench/table.md), per variant over its seeds: the mean
 acceptance length and its range over the seeds (the run-to-run noise of training), the mean
@@ -45,7 +49,13 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+KEPT = ROOT / "benchmarks" / "results" / "quality"
 SEEDS = (0, 1, 2)
+# the stages a run of the evaluate target runs (config.quality.yaml regenerates the answers)
+RUN_STAGES = (
+    "demo", "data", "regenerate", "regenerate_merge", "prepare", "vocab", "extract",
+    "extract_merge", "train", "evaluate",
+)  # fmt: skip
 RESAMPLES = 2000
 
 # The speculators 0.9 EAGLE-3 defaults, as settings of this workflow: Muon on the weight matrices
@@ -172,11 +182,50 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}@{seed}"
 
 
+def code_now() -> dict[str, str]:
+    """The fingerprint of the code of each stage a run runs, as this checkout has it."""
+    from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
+
+    return {stage: stage_fingerprint(stage) for stage in RUN_STAGES}
+
+
+def record(results: dict, **facts) -> dict:
+    """What the table needs of a run's results.json (its prompts' acceptance histograms, not
+    their texts), with ``facts`` about the run."""
+    eagle3, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
+    kept = {
+        "summary": results["summary"],
+        "made_by": results["made_by"],
+        **{k: results[k] for k in ("num_prompts", "max_new_tokens", "num_speculative_tokens")},
+        "runs": {
+            "eagle3": {
+                k: eagle3[k] for k in ("acceptance_rate_per_position", "acceptance_histograms")
+            },
+            "ngram": {"per_prompt": {"mean_acceptance_length_ci95": ngram["per_prompt"][
+                "mean_acceptance_length_ci95"]}},
+        },
+    }  # fmt: skip
+    return {**facts, "results": kept}
+
+
 def run_once(
-    workdir: Path, bench: Path, configfile: Path, variant: str, seed: int, cores: str, lanes: int
+    workdir: Path,
+    bench: Path,
+    kept: Path,
+    code: dict,
+    configfile: Path,
+    variant: str,
+    seed: int,
+    cores: str,
+    lanes: int,
 ) -> Path:
     """The workflow's evaluate target in ``workdir`` with the variant's settings and seed; keeps
-    its outputs under ``bench``. ``lanes``: how many runs go at once (for the time per run)."""
+    its outputs under ``bench`` and its record in ``kept``. ``lanes``: how many runs go at once
+    (for the time per run)."""
+    import torch
+
+    from workflow_scripts.lib.common import sha256_file
+
     name = run_name(variant, seed)
     out = bench / name
     override = bench / f"{name}.yaml"
@@ -196,6 +245,8 @@ def run_once(
     ]  # fmt: skip
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    if lanes > 1:  # runs share the cores: OpenMP's threads sleep at barriers instead of spinning
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (timing only: the same arithmetic)
     print(f"[{name}] $ {' '.join(cmd)}", flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -212,17 +263,42 @@ def run_once(
     stages_s = sum(stage_seconds(results_dir, rule) for rule in ("train", "evaluate"))
     (tmp / "train_evaluate_s").write_text(f"{stages_s:.0f}\n")
     (tmp / "lanes").write_text(f"{lanes}\n")
+    shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    facts = {
+        "variant": variant,
+        "seed": seed,
+        "settings": settings,
+        "code": code,
+        "verifier_sha256": sha256_file(results_dir / "demo" / "verifier" / "model.safetensors"),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "wall_s": round(time.monotonic() - start),
+        "train_evaluate_s": round(stages_s),
+        "lanes": lanes,
+    }
+    kept.mkdir(parents=True, exist_ok=True)
+    path = kept / f"{name}.json"
+    results = json.loads((out / "results.json").read_text())
+    path.with_suffix(".tmp").write_text(json.dumps(record(results, **facts), indent=1) + "\n")
+    path.with_suffix(".tmp").rename(path)
     print(f"[{name}] done in {time.monotonic() - start:.0f}s", flush=True)
     return out
 
 
-def run_all(workdir: Path, configfile: Path, todo: list[tuple[str, int]], cores: str, lanes: int):
+def run_all(
+    workdir: Path,
+    kept: Path,
+    code: dict,
+    configfile: Path,
+    todo: list[tuple[str, int]],
+    cores: str,
+    lanes: int,
+):
     """The runs ``todo`` in order, ``lanes`` at a time; the first alone in ``workdir`` when no
     run was done there yet (it builds the stages every run shares), then the copies."""
     bench = workdir / "bench"
     if todo and not any(bench.glob("*@*/results.json")):
-        run_once(workdir, bench, configfile, *todo.pop(0), cores, 1)
+        run_once(workdir, bench, kept, code, configfile, *todo.pop(0), cores, 1)
     dirs = [workdir]
     for i in range(1, lanes):
         lane = workdir.with_name(f"{workdir.name}.lane{i}")
@@ -240,7 +316,7 @@ def run_all(workdir: Path, configfile: Path, todo: list[tuple[str, int]], cores:
         with lock:
             lane = free.pop()
         try:
-            return run_once(lane, bench, configfile, *run, share, lanes)
+            return run_once(lane, bench, kept, code, configfile, *run, share, lanes)
         except BaseException:
             failed.set()
             raise
@@ -291,19 +367,31 @@ def paired_difference(a: list[np.ndarray], b: list[np.ndarray], seed: int = 0):
     return float(diff), [float(v) for v in np.percentile(boot, [2.5, 97.5])]
 
 
-def load_runs(bench: Path) -> dict[str, dict[int, dict]]:
+def load_runs(kept: Path, code: dict) -> tuple[dict[str, dict[int, dict]], list[str]]:
+    """The runs kept by ``code`` (variant -> seed -> run), and the names of those kept by other
+    code. Runs of other builds of the shared stages (another verifier: a CPU of another kind)
+    are refused: their differences are not the variants'."""
     done: dict[str, dict[int, dict]] = {}
+    stale, builds = [], {}
     for variant in VARIANTS:
         for seed in SEEDS:
-            out = bench / run_name(variant, seed)
-            if (out / "results.json").is_file():
-                done.setdefault(variant, {})[seed] = {
-                    "results": json.loads((out / "results.json").read_text()),
-                    "wall_s": float((out / "wall_s").read_text()),
-                    "stages_s": float((out / "train_evaluate_s").read_text()),
-                    "lanes": int((out / "lanes").read_text()) if (out / "lanes").is_file() else 1,
-                }
-    return done
+            path = kept / f"{run_name(variant, seed)}.json"
+            if not path.is_file():
+                continue
+            run = json.loads(path.read_text())
+            if run["code"] != code:
+                stale.append(run_name(variant, seed))
+                continue
+            builds.setdefault(run["verifier_sha256"], []).append(run_name(variant, seed))
+            run["stages_s"] = run["train_evaluate_s"]
+            done.setdefault(variant, {})[seed] = run
+    if len(builds) > 1:
+        sys.exit(
+            f"the runs kept in {kept} come from {len(builds)} builds of the shared stages (their "
+            f"verifiers differ: {'; '.join(', '.join(v) for v in builds.values())}), which "
+            "cannot be compared: delete the files of the runs of all but one and run again"
+        )
+    return done, stale
 
 
 def seed_range(runs: dict[int, dict]) -> float:
@@ -377,6 +465,7 @@ def table(done: dict[str, dict[int, dict]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench_quality")
+    ap.add_argument("--kept", type=Path, default=KEPT, help="where each run's record is kept")
     ap.add_argument("--configfile", type=Path, default=ROOT / "config.quality.yaml")
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run only these variants")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), choices=SEEDS)
@@ -390,16 +479,26 @@ def main() -> None:
         ap.error(f"--lanes {args.lanes}: at least 1 (the runs at once)")
 
     bench = args.workdir / "bench"
+    code = code_now()
+    done, stale = load_runs(args.kept, code)
+    if stale:
+        print(
+            f"{len(stale)} run(s) kept in {args.kept} were made by other code than this "
+            f"checkout's (the fingerprints of their stages differ): {', '.join(stale)}; they are "
+            "left out of the table and run again when asked for",
+            flush=True,
+        )
     if not args.table:
         # seed by seed: a first table of every variant comes soonest
         todo = [
             (variant, seed)
             for seed in args.seeds
             for variant in args.only or DEFAULT
-            if not (bench / run_name(variant, seed) / "results.json").is_file()
+            if seed not in done.get(variant, {})
         ]
-        run_all(args.workdir, args.configfile, todo, args.cores, args.lanes)
-    text = table(load_runs(bench))
+        run_all(args.workdir, args.kept, code, args.configfile, todo, args.cores, args.lanes)
+        done, _ = load_runs(args.kept, code)
+    text = table(done)
     bench.mkdir(parents=True, exist_ok=True)
     (bench / "table.md").write_text(text)
     print(text)

@@ -16,6 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Every process of the session waits at OpenMP's barriers asleep, not spinning: a session runs
+# its builds beside its tests, so torch's threads always share the cores with another job's,
+# and a thread spinning at a barrier holds a core that the thread it waits for needs
+# (benchmarks/bench_demo_threads.py: two demo trainings at once run 3.5x as fast each with
+# PASSIVE as with the default). Set before anything imports torch, whose OpenMP reads it once.
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
 
 def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]:
     """Runs the real demo script (``python -m workflow_scripts.stages.demo``) with DemoParams(**params)

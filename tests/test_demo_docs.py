@@ -152,3 +152,47 @@ def test_every_quality_variant_is_a_valid_config():
             merged(base, {**settings, "train": {**settings.get("train", {}), "seed": 2}})
         )
         assert cfg.train.seed == 2, name
+
+
+def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path):
+    """A run's record (benchmarks/results/quality/<variant>@<seed>.json) counts as done only for
+    the code that made it: a record whose stages' fingerprints differ is left out (and run
+    again); records of two different builds of the shared stages are refused, naming them."""
+    from benchmarks.bench_quality import code_now, load_runs, record, table
+
+    hist = [[1, 0, 2, 3], [0, 1, 1, 4]]
+    results = {
+        "summary": {
+            "eagle3_mean_acceptance_length": 3.0, "eagle3_mean_acceptance_length_ci95": [2.8, 3.2],
+            "eagle3_simulated_acceptance_length": 3.1, "ngram_mean_acceptance_length": 1.5,
+            "eagle3_over_ngram": 2.0,
+        },
+        "made_by": {"code": "c", "versions": {}}, "num_prompts": 2, "max_new_tokens": 8,
+        "num_speculative_tokens": 3, "prompts": ["not kept"],
+        "runs": {
+            "eagle3": {"acceptance_rate_per_position": [0.9, 0.8, 0.7],
+                       "acceptance_histograms": hist, "per_prompt": {}},
+            "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1.4, 1.6]}},
+        },
+    }  # fmt: skip
+    code = code_now()
+    assert code["train"] != code["extract"] and len(code["train"]) == 64
+
+    def keep(variant, seed, **changes):
+        facts = dict(variant=variant, seed=seed, settings={}, code=code, verifier_sha256="v",
+                     cpu_capability="AVX512", wall_s=60, train_evaluate_s=50, lanes=1)  # fmt: skip
+        rec = record(results, **{**facts, **changes})
+        (tmp_path / f"{variant}@{seed}.json").write_text(json.dumps(rec))
+        return rec
+
+    assert "prompts" not in keep("baseline", 0)["results"]
+    keep("qwen3_layer", 0)
+    keep("qwen3_layer", 1, code={**code, "train": "0" * 64})  # older training code
+    done, stale = load_runs(tmp_path, code)
+    assert {v: list(s) for v, s in done.items()} == {"baseline": [0], "qwen3_layer": [0]}
+    assert stale == ["qwen3_layer@1"]
+    assert "| qwen3_layer |" in table(done) and "+0.000" in table(done)
+
+    keep("qwen3_layer", 1, verifier_sha256="w")  # a build on another kind of CPU
+    with pytest.raises(SystemExit, match="from 2 builds .* qwen3_layer@1"):
+        load_runs(tmp_path, code)
