@@ -16,11 +16,12 @@ first, then N - 1 copies of it (<workdir>.lane1, ...) made once its first run ha
 stages they share. Each run's evaluation and training metrics are kept under
 <workdir>/bench/<variant>@<seed>/, and what the table needs of it is kept in the repository,
 benchmarks/results/quality/<variant>@<seed>.json (--kept), with the fingerprints of the code of
-every stage the run ran: a run kept by the same code is not run again, so an interrupted benchmark
-goes on where it stopped, in this working directory or in a fresh clone (whose build of the
-shared stages gives the same bytes on a CPU of the same kind, see
-docs/evaluation-and-quality.md). A run kept by other code is run again (delete its file to redo
-any run). The table says how long the runs took.
+the stages that compute from the chat data (RUN_STAGES) and the sha256 of the verifier and chat
+data it was computed from: a run kept by the same code from the same build is not run again, so
+an interrupted benchmark goes on where it stopped, in this working directory or in a fresh clone
+(whose build gives the same bytes on a CPU of the same kind, see docs/evaluation-and-quality.md).
+A run kept by other code or from another build is run again (delete its file to redo any run).
+The table says how long the runs took.
 
 The table (also written to <workdir>/bench/table.md), per variant over its seeds: the mean
 acceptance length and its range over the seeds (the run-to-run noise of training), the mean
@@ -51,11 +52,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 KEPT = ROOT / "benchmarks" / "results" / "quality"
 SEEDS = (0, 1, 2)
-# the stages a run of the evaluate target runs (config.quality.yaml regenerates the answers)
+# A kept run counts for this checkout when the code of the stages that compute from the chat
+# data is this checkout's (compared by fingerprint), and the chat data and verifier it was
+# computed from (the demo and data stages' outputs) are this build's (compared by their bytes,
+# once the build is made: the demo's code may change without changing the quality build).
 RUN_STAGES = (
-    "demo", "data", "regenerate", "regenerate_merge", "prepare", "vocab", "extract",
-    "extract_merge", "train", "evaluate",
+    "regenerate", "regenerate_merge", "prepare", "vocab", "extract", "extract_merge", "train",
+    "evaluate",
 )  # fmt: skip
+BUILT = {"verifier": "demo/verifier/model.safetensors", "chat_data": "data/chat_data.jsonl"}
 RESAMPLES = 2000
 
 # The speculators 0.9 EAGLE-3 defaults, as settings of this workflow: Muon on the weight matrices
@@ -182,6 +187,17 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}@{seed}"
 
 
+def build_of(results_dir: Path) -> dict[str, str]:
+    """The sha256 of the shared build's outputs that every run computes from (BUILT)."""
+    from workflow_scripts.lib.common import sha256_file
+
+    return {name: sha256_file(results_dir / rel) for name, rel in BUILT.items()}
+
+
+def results_dir_of(workdir: Path, configfile: Path) -> Path:
+    return workdir / yaml.safe_load(configfile.read_text()).get("results_dir", "results")
+
+
 def code_now() -> dict[str, str]:
     """The fingerprint of the code of each stage a run runs, as this checkout has it."""
     from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
@@ -224,8 +240,6 @@ def run_once(
     (for the time per run)."""
     import torch
 
-    from workflow_scripts.lib.common import sha256_file
-
     name = run_name(variant, seed)
     out = bench / name
     override = bench / f"{name}.yaml"
@@ -252,7 +266,7 @@ def run_once(
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"[{name}] snakemake failed in {workdir}:\n{proc.stderr[-6000:]}")
-    results_dir = workdir / yaml.safe_load(configfile.read_text()).get("results_dir", "results")
+    results_dir = results_dir_of(workdir, configfile)
     tmp = out.with_name(f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -270,7 +284,7 @@ def run_once(
         "seed": seed,
         "settings": settings,
         "code": code,
-        "verifier_sha256": sha256_file(results_dir / "demo" / "verifier" / "model.safetensors"),
+        "build": build_of(results_dir),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "wall_s": round(time.monotonic() - start),
         "train_evaluate_s": round(stages_s),
@@ -299,6 +313,8 @@ def run_all(
     bench = workdir / "bench"
     if todo and not any(bench.glob("*@*/results.json")):
         run_once(workdir, bench, kept, code, configfile, *todo.pop(0), cores, 1)
+    if not todo:
+        return
     dirs = [workdir]
     for i in range(1, lanes):
         lane = workdir.with_name(f"{workdir.name}.lane{i}")
@@ -367,10 +383,13 @@ def paired_difference(a: list[np.ndarray], b: list[np.ndarray], seed: int = 0):
     return float(diff), [float(v) for v in np.percentile(boot, [2.5, 97.5])]
 
 
-def load_runs(kept: Path, code: dict) -> tuple[dict[str, dict[int, dict]], list[str]]:
-    """The runs kept by ``code`` (variant -> seed -> run), and the names of those kept by other
-    code. Runs of other builds of the shared stages (another verifier: a CPU of another kind)
-    are refused: their differences are not the variants'."""
+def load_runs(
+    kept: Path, code: dict, build: dict | None = None
+) -> tuple[dict[str, dict[int, dict]], list[str]]:
+    """The runs kept by ``code`` and, where given, of the shared ``build`` (variant -> seed ->
+    run), and the names of the others. Kept runs of different builds of the shared stages (a
+    CPU of another kind, demo code that changed the verifier) are refused: their differences
+    are not the variants'."""
     done: dict[str, dict[int, dict]] = {}
     stale, builds = [], {}
     for variant in VARIANTS:
@@ -379,17 +398,17 @@ def load_runs(kept: Path, code: dict) -> tuple[dict[str, dict[int, dict]], list[
             if not path.is_file():
                 continue
             run = json.loads(path.read_text())
-            if run["code"] != code:
+            if run["code"] != code or build not in (None, run["build"]):
                 stale.append(run_name(variant, seed))
                 continue
-            builds.setdefault(run["verifier_sha256"], []).append(run_name(variant, seed))
+            builds.setdefault(json.dumps(run["build"]), []).append(run_name(variant, seed))
             run["stages_s"] = run["train_evaluate_s"]
             done.setdefault(variant, {})[seed] = run
     if len(builds) > 1:
         sys.exit(
             f"the runs kept in {kept} come from {len(builds)} builds of the shared stages (their "
-            f"verifiers differ: {'; '.join(', '.join(v) for v in builds.values())}), which "
-            "cannot be compared: delete the files of the runs of all but one and run again"
+            f"verifiers or chat data differ: {'; '.join(', '.join(v) for v in builds.values())}), "
+            "which cannot be compared: delete the files of the runs of all but one and run again"
         )
     return done, stale
 
@@ -479,25 +498,39 @@ def main() -> None:
         ap.error(f"--lanes {args.lanes}: at least 1 (the runs at once)")
 
     bench = args.workdir / "bench"
+    results_dir = results_dir_of(args.workdir, args.configfile)
     code = code_now()
-    done, stale = load_runs(args.kept, code)
-    if stale:
-        print(
-            f"{len(stale)} run(s) kept in {args.kept} were made by other code than this "
-            f"checkout's (the fingerprints of their stages differ): {', '.join(stale)}; they are "
-            "left out of the table and run again when asked for",
-            flush=True,
-        )
-    if not args.table:
+
+    def kept_runs(build: dict | None) -> dict[str, dict[int, dict]]:
+        done, stale = load_runs(args.kept, code, build)
+        if stale:
+            print(
+                f"{len(stale)} run(s) kept in {args.kept} were made by other code than this "
+                f"checkout's{'' if build is None else ' or from another build'}: "
+                f"{', '.join(stale)}; they are left out of the table and run again when asked for",
+                flush=True,
+            )
+        return done
+
+    def todo(done: dict) -> list[tuple[str, int]]:
         # seed by seed: a first table of every variant comes soonest
-        todo = [
+        return [
             (variant, seed)
             for seed in args.seeds
             for variant in args.only or DEFAULT
             if seed not in done.get(variant, {})
         ]
-        run_all(args.workdir, args.kept, code, args.configfile, todo, args.cores, args.lanes)
-        done, _ = load_runs(args.kept, code)
+
+    built = all((results_dir / rel).is_file() for rel in BUILT.values())
+    build = build_of(results_dir) if built else None
+    done = kept_runs(build)
+    if not args.table and todo(done):
+        if build is None:  # the first run builds the shared stages; kept runs are held to it
+            run_all(args.workdir, args.kept, code, args.configfile, todo(done)[:1], args.cores, 1)
+            build = build_of(results_dir)
+            done = kept_runs(build)
+        run_all(args.workdir, args.kept, code, args.configfile, todo(done), args.cores, args.lanes)
+        done = kept_runs(build)
     text = table(done)
     bench.mkdir(parents=True, exist_ok=True)
     (bench / "table.md").write_text(text)

@@ -156,9 +156,11 @@ def test_every_quality_variant_is_a_valid_config():
 
 def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path):
     """A run's record (benchmarks/results/quality/<variant>@<seed>.json) counts as done only for
-    the code that made it: a record whose stages' fingerprints differ is left out (and run
-    again); records of two different builds of the shared stages are refused, naming them."""
-    from benchmarks.bench_quality import code_now, load_runs, record, table
+    the code that made it and the build it was computed from: a record whose stages'
+    fingerprints differ, or whose verifier or chat data differ from this build's, is left out
+    (and run again); records of two different builds of the shared stages are refused, naming
+    them."""
+    from benchmarks.bench_quality import RUN_STAGES, code_now, load_runs, record, table
 
     hist = [[1, 0, 2, 3], [0, 1, 1, 4]]
     results = {
@@ -176,10 +178,12 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
         },
     }  # fmt: skip
     code = code_now()
+    assert set(code) == set(RUN_STAGES) and "demo" not in code  # the demo is held by its bytes
     assert code["train"] != code["extract"] and len(code["train"]) == 64
+    build = {"verifier": "v", "chat_data": "c"}
 
     def keep(variant, seed, **changes):
-        facts = dict(variant=variant, seed=seed, settings={}, code=code, verifier_sha256="v",
+        facts = dict(variant=variant, seed=seed, settings={}, code=code, build=build,
                      cpu_capability="AVX512", wall_s=60, train_evaluate_s=50, lanes=1)  # fmt: skip
         rec = record(results, **{**facts, **changes})
         (tmp_path / f"{variant}@{seed}.json").write_text(json.dumps(rec))
@@ -188,11 +192,16 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     assert "prompts" not in keep("baseline", 0)["results"]
     keep("qwen3_layer", 0)
     keep("qwen3_layer", 1, code={**code, "train": "0" * 64})  # older training code
-    done, stale = load_runs(tmp_path, code)
-    assert {v: list(s) for v, s in done.items()} == {"baseline": [0], "qwen3_layer": [0]}
-    assert stale == ["qwen3_layer@1"]
+    for held_to in (None, build):
+        done, stale = load_runs(tmp_path, code, held_to)
+        assert {v: list(s) for v, s in done.items()} == {"baseline": [0], "qwen3_layer": [0]}
+        assert stale == ["qwen3_layer@1"]
     assert "| qwen3_layer |" in table(done) and "+0.000" in table(done)
+    done, stale = load_runs(tmp_path, code, {**build, "verifier": "w"})  # this build's verifier
+    assert done == {} and len(stale) == 3
 
-    keep("qwen3_layer", 1, verifier_sha256="w")  # a build on another kind of CPU
+    keep("qwen3_layer", 1, build={**build, "chat_data": "d"})  # kept from another build
     with pytest.raises(SystemExit, match="from 2 builds .* qwen3_layer@1"):
         load_runs(tmp_path, code)
+    done, stale = load_runs(tmp_path, code, build)  # held to this build: left out, run again
+    assert stale == ["qwen3_layer@1"]
