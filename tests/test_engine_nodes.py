@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from pydantic import ValidationError
 
 from tests.chat_families import FAMILIES
-from tests.workflow_runner import copy_workflow, dry_run_in_process, jobs_in, snakemake
+from tests.workflow_runner import dry_run_in_process, example_workflow, jobs_in, snakemake
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import cluster, engine, engine_follower, engine_nodes, preflight
 from workflow_scripts.lib.workflow import nodes
@@ -268,13 +267,7 @@ def stand_in(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
-    verifier = stand_in(root / "DeepSeek-V3")
-    chats = root / "chats.jsonl"
-    chats.write_text("".join(json.dumps(r) + "\n" for r in [{"messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4))  # fmt: skip
-    config = yaml.safe_load(EXAMPLE.read_text())
-    config.update(verifier=str(verifier), chat_data=str(chats), eval_prompts=str(chats))
-    return copy_workflow(root / "wf", config), config
+    return example_workflow(root, EXAMPLE, stand_in(root / "DeepSeek-V3"))
 
 
 @pytest.mark.workflow

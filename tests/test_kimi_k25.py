@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from tests.chat_families import FAMILIES
-from tests.workflow_runner import copy_workflow, jobs_in, snakemake
+from tests.workflow_runner import example_workflow, jobs_in, snakemake
 
 pytestmark = pytest.mark.workflow
 
@@ -69,12 +69,7 @@ def kimi(tmp_path_factory):
     """A workflow copy with the job's config pointing at the stand-in and a small chat set."""
     root = tmp_path_factory.mktemp("kimi")
     verifier = stand_in(root / "Kimi-K2.5")
-    chats = root / "chats.jsonl"
-    chats.write_text("".join(json.dumps(r) + "\n" for r in [{"messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4))  # fmt: skip
-    config = yaml.safe_load(CONFIG.read_text())
-    config.update(verifier=str(verifier), chat_data=str(chats), eval_prompts=str(chats))
-    work = copy_workflow(root / "wf", config)
+    work, config = example_workflow(root, CONFIG, verifier)
     return work, config, verifier
 
 

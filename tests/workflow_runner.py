@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -38,6 +39,20 @@ def copy_workflow(dst: Path, config: dict | None = None) -> Path:
             shutil.copy2(src, dst / name)
     write_config(dst, config or {})
     return dst
+
+
+def example_workflow(root: Path, example: Path, verifier: Path) -> tuple[Path, dict]:
+    """A copy of the workflow in ``root``/wf running the example config ``example`` (a
+    config.*.yaml) against ``verifier`` (a stand-in), on four rows of chat data that are also
+    its evaluation prompts: (the copy, its config)."""
+    chats = root / "chats.jsonl"
+    row = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    }
+    chats.write_text((json.dumps(row) + "\n") * 4)
+    config = yaml.safe_load(example.read_text())
+    config.update(verifier=str(verifier), chat_data=str(chats), eval_prompts=str(chats))
+    return copy_workflow(root / "wf", config), config
 
 
 def write_config(workdir: Path, config: dict) -> None:
