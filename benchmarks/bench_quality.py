@@ -163,7 +163,23 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "extract.storage_dtype: float8_e4m3fn",
         {"extract": {"storage_dtype": "float8_e4m3fn"}},
     ),
+    "warm_start": (
+        "train.init_from: the draft trained on other data (SOURCES' human_answers), then the "
+        "baseline's steps on this data",
+        {"train": {"init_from": "source:human_answers"}},
+    ),
 }
+# The drafts a variant starts from (train.init_from: "source:<name>"): trained once in a run's
+# working directory with these settings (and seed 0) over the quality build, as a user would
+# train a draft on other data, then copied out of results_dir (training rewrites it) to
+# <workdir>/bench/sources/<name>/draft.
+SOURCES: dict[str, tuple[str, dict]] = {
+    "human_answers": (
+        "the packages' own text as the answers (regenerate.enabled: false), not the verifier's",
+        {"regenerate": {"enabled": False}},
+    ),
+}
+SOURCE = "source:"
 # what a plain run measures: the methods at the baseline's steps and tokens per step, and the
 # reference recipe at those steps and at its own micro-batches (the rest with --only)
 DEFAULT = (
@@ -180,6 +196,7 @@ DEFAULT = (
     "ttt_5",
     "step_decay",
     "accepted_chain",
+    "warm_start",
 )
 
 
@@ -224,6 +241,55 @@ def record(results: dict, **facts) -> dict:
     return {**facts, "results": kept}
 
 
+def snakemake_run(
+    workdir: Path, configfile: Path, override: Path, target: str, cores: str, lanes: int, name: str
+) -> None:
+    """``snakemake target`` in ``workdir`` over config.yaml, ``configfile`` and ``override``."""
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        target,
+        "--snakefile", str(ROOT / "Snakefile"),
+        "--directory", str(workdir),
+        "--cores", cores,
+        "--rerun-incomplete",  # a run stopped mid-stage is redone, not refused
+        # config.yaml first: the Snakefile's own configfile is looked up in the working directory
+        "--configfile", str(ROOT / "config.yaml"), str(configfile.resolve()), str(override),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    if lanes > 1:  # runs share the cores: OpenMP's threads sleep at barriers instead of spinning
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (timing only: the same arithmetic)
+    print(f"[{name}] $ {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"[{name}] snakemake failed in {workdir}:\n{proc.stderr[-6000:]}")
+
+
+SOURCE_LOCK = threading.Lock()
+
+
+def source_draft(
+    workdir: Path, bench: Path, configfile: Path, source: str, cores: str, lanes: int
+) -> Path:
+    """The draft of SOURCES[source], trained in ``workdir`` first if it is not there yet."""
+    if source not in SOURCES:
+        sys.exit(f"train.init_from {SOURCE}{source}: no such source (SOURCES: {list(SOURCES)})")
+    draft = bench / "sources" / source / "draft"
+    with SOURCE_LOCK:  # one lane trains it; another waits for it
+        if not (draft / "model.safetensors").is_file():
+            override = bench / "sources" / f"{source}.yaml"
+            override.parent.mkdir(parents=True, exist_ok=True)
+            settings = dict(SOURCES[source][1])
+            settings["train"] = {**settings.get("train", {}), "seed": 0}
+            override.write_text(yaml.safe_dump(settings))
+            snakemake_run(workdir, configfile, override, "draft_ckpt", cores, lanes, source)
+            tmp = draft.with_name(".draft.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(results_dir_of(workdir, configfile) / "train" / "draft", tmp)
+            tmp.rename(draft)
+    return draft
+
+
 def run_once(
     workdir: Path,
     bench: Path,
@@ -246,26 +312,17 @@ def run_once(
     override.parent.mkdir(parents=True, exist_ok=True)
     settings = dict(VARIANTS[variant][1])
     settings["train"] = {**settings.get("train", {}), "seed": seed}
+    init_from = settings["train"].get("init_from") or ""
+    if init_from.startswith(SOURCE):  # the source's draft, trained first where it is not yet
+        draft = source_draft(workdir, bench, configfile, init_from[len(SOURCE) :], cores, lanes)
+        settings["train"]["init_from"] = str(draft)
     override.write_text(yaml.safe_dump(settings))
-    cmd = [
-        str(Path(sys.executable).parent / "snakemake"),
-        "evaluate",
-        "--snakefile", str(ROOT / "Snakefile"),
-        "--directory", str(workdir),
-        "--cores", cores,
-        "--rerun-incomplete",  # a run stopped mid-stage is redone, not refused
-        # config.yaml first: the Snakefile's own configfile is looked up in the working directory
-        "--configfile", str(ROOT / "config.yaml"), str(configfile.resolve()), str(override),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
-    if lanes > 1:  # runs share the cores: OpenMP's threads sleep at barriers instead of spinning
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (timing only: the same arithmetic)
-    print(f"[{name}] $ {' '.join(cmd)}", flush=True)
+    declared = {
+        **VARIANTS[variant][1],
+        "train": {**VARIANTS[variant][1].get("train", {}), "seed": seed},
+    }
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"[{name}] snakemake failed in {workdir}:\n{proc.stderr[-6000:]}")
+    snakemake_run(workdir, configfile, override, "evaluate", cores, lanes, name)
     results_dir = results_dir_of(workdir, configfile)
     tmp = out.with_name(f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -282,7 +339,7 @@ def run_once(
     facts = {
         "variant": variant,
         "seed": seed,
-        "settings": settings,
+        "settings": declared,  # a source as named, not its path
         "code": code,
         "build": build_of(results_dir),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

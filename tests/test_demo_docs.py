@@ -133,7 +133,7 @@ def test_every_quality_variant_is_a_valid_config():
     hours into the benchmark)."""
     import yaml
 
-    from benchmarks.bench_quality import DEFAULT, VARIANTS
+    from benchmarks.bench_quality import DEFAULT, SOURCE, SOURCES, VARIANTS
     from workflow_scripts.lib.workflow.config import load_config
 
     def merged(base: dict, over: dict) -> dict:
@@ -147,11 +147,13 @@ def test_every_quality_variant_is_a_valid_config():
         *(yaml.safe_load((ROOT / f).read_text()) for f in ("config.yaml", "config.quality.yaml"))
     )
     assert set(DEFAULT) <= set(VARIANTS)
-    for name, (_, settings) in VARIANTS.items():
+    for name, (_, settings) in [*VARIANTS.items(), *SOURCES.items()]:
         cfg = load_config(
             merged(base, {**settings, "train": {**settings.get("train", {}), "seed": 2}})
         )
         assert cfg.train.seed == 2, name
+        source = (cfg.train.init_from or "").removeprefix(SOURCE)
+        assert source == (cfg.train.init_from or "") or source in SOURCES, name
 
 
 def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path):
