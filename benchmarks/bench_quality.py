@@ -23,13 +23,13 @@ an interrupted benchmark goes on where it stopped, in this working directory or 
 A run kept by other code or from another build is run again (delete its file to redo any run).
 The table says how long the runs took.
 
-The table (also written to <workdir>/bench/table.md), per variant over its seeds: the mean
-acceptance length and its range over the seeds (the run-to-run noise of training), the mean
-per position, training's simulated acceptance length, n-gram's, and against the baseline the
-paired difference: the acceptance length of all of the variant's runs pooled minus the
-baseline's, on the same prompts, with a 95% bootstrap interval over prompts (prompts resampled
-with replacement, the same for both). A variant is better beyond noise when that interval is
-above 0 and the difference is larger than both seed ranges.
+The table (also written to <workdir>/bench/table.md and to the kept runs' table.md), per variant
+over its seeds: the mean acceptance length and its range over the seeds (the run-to-run noise of
+training), the mean per position, training's simulated acceptance length, n-gram's, and against
+the baseline the paired difference: the acceptance length of all of the variant's runs pooled
+minus the baseline's, on the same prompts, with a 95% bootstrap interval over prompts (prompts
+resampled with replacement, the same for both). A variant is better beyond noise when that
+interval is above 0 and the difference is larger than both seed ranges.
 """
 
 from __future__ import annotations
@@ -589,8 +589,9 @@ def main() -> None:
         run_all(args.workdir, args.kept, code, args.configfile, todo(done), args.cores, args.lanes)
         done = kept_runs(build)
     text = table(done)
-    bench.mkdir(parents=True, exist_ok=True)
-    (bench / "table.md").write_text(text)
+    for where in (bench, args.kept):  # the kept table is the repository's copy of the results
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "table.md").write_text(text)
     print(text)
 
 
