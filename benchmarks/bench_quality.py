@@ -310,17 +310,14 @@ def run_once(
     out = bench / name
     override = bench / f"{name}.yaml"
     override.parent.mkdir(parents=True, exist_ok=True)
-    settings = dict(VARIANTS[variant][1])
-    settings["train"] = {**settings.get("train", {}), "seed": seed}
+    declared = dict(VARIANTS[variant][1])  # as recorded: a source by its name, not its path
+    declared["train"] = {**declared.get("train", {}), "seed": seed}
+    settings = {**declared, "train": dict(declared["train"])}
     init_from = settings["train"].get("init_from") or ""
     if init_from.startswith(SOURCE):  # the source's draft, trained first where it is not yet
         draft = source_draft(workdir, bench, configfile, init_from[len(SOURCE) :], cores, lanes)
         settings["train"]["init_from"] = str(draft)
     override.write_text(yaml.safe_dump(settings))
-    declared = {
-        **VARIANTS[variant][1],
-        "train": {**VARIANTS[variant][1].get("train", {}), "seed": seed},
-    }
     start = time.monotonic()
     snakemake_run(workdir, configfile, override, "evaluate", cores, lanes, name)
     results_dir = results_dir_of(workdir, configfile)
@@ -339,7 +336,7 @@ def run_once(
     facts = {
         "variant": variant,
         "seed": seed,
-        "settings": declared,  # a source as named, not its path
+        "settings": declared,
         "code": code,
         "build": build_of(results_dir),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
