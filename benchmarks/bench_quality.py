@@ -7,6 +7,7 @@ recipe as a paired difference over the same prompts with a bootstrap interval.
     .venv/bin/python benchmarks/bench_quality.py --only baseline lk_hybrid
     .venv/bin/python benchmarks/bench_quality.py --lanes 2            # 2 runs at once
     .venv/bin/python benchmarks/bench_quality.py --table              # the table of what is done
+    .venv/bin/python benchmarks/bench_quality.py --bench long         # long contexts (below)
 
 Runs share one Snakemake working directory (--workdir), one after the other, as a user would
 change the config: the workflow reruns exactly what a run changes (a train setting: train and
@@ -168,6 +169,19 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "baseline's steps on this data",
         {"train": {"init_from": "source:human_answers"}},
     ),
+    # the long-context benchmark's (--bench long): its baseline trains on samples cut at 512
+    "long_samples": (
+        "prepare.max_seq_len_tokens: 4096 (whole conversations, not cut at 512 tokens)",
+        {"prepare": {"max_seq_len_tokens": 4096}},
+    ),
+    "window": (
+        "train.sliding_window_tokens: 512 (the draft attends to the 512 latest tokens)",
+        {"train": {"sliding_window_tokens": 512}},
+    ),
+    "long_window": (
+        "whole conversations and a 512-token sliding window",
+        {"prepare": {"max_seq_len_tokens": 4096}, "train": {"sliding_window_tokens": 512}},
+    ),
 }
 # The drafts a variant starts from (train.init_from: "source:<name>"): trained once in a run's
 # working directory with these settings (and seed 0) over the quality build, as a user would
@@ -198,6 +212,15 @@ DEFAULT = (
     "accepted_chain",
     "warm_start",
 )
+# the benchmarks: name -> (config file, where runs are kept, the variants a plain run measures)
+BENCHES = {
+    "quality": (ROOT / "config.quality.yaml", KEPT, DEFAULT),
+    "long": (
+        ROOT / "config.long.yaml",
+        KEPT.with_name("long"),
+        ("baseline", "long_samples", "window", "long_window"),
+    ),
+}
 
 
 def run_name(variant: str, seed: int) -> str:
@@ -232,11 +255,16 @@ def record(results: dict, **facts) -> dict:
         **{k: results[k] for k in ("num_prompts", "max_new_tokens", "num_speculative_tokens")},
         "runs": {
             "eagle3": {
-                k: eagle3[k] for k in ("acceptance_rate_per_position", "acceptance_histograms")
+                k: eagle3[k] for k in ("acceptance_rate_per_position", "acceptance_histograms",
+                                       "acceptance_histograms_by_context")
             },
-            "ngram": {"per_prompt": {"mean_acceptance_length_ci95": ngram["per_prompt"][
-                "mean_acceptance_length_ci95"]}},
+            "ngram": {
+                "per_prompt": {"mean_acceptance_length_ci95": ngram["per_prompt"][
+                    "mean_acceptance_length_ci95"]},
+                "acceptance_histograms_by_context": ngram["acceptance_histograms_by_context"],
+            },
         },
+        "context_edges_tokens": results["context_edges_tokens"],
     }  # fmt: skip
     return {**facts, "results": kept}
 
@@ -433,8 +461,9 @@ def paired_difference(a: list[np.ndarray], b: list[np.ndarray], seed: int = 0):
     prompts = a[0].shape[0]
     pick = np.random.default_rng(seed).integers(0, prompts, size=(RESAMPLES, prompts))
     diff = pooled_length(a) - pooled_length(b)
-    boot = pooled_length(a, pick) - pooled_length(b, pick)
-    return float(diff), [float(v) for v in np.percentile(boot, [2.5, 97.5])]
+    with np.errstate(invalid="ignore", divide="ignore"):  # a resample with no step: left out
+        boot = pooled_length(a, pick) - pooled_length(b, pick)
+    return float(diff), [float(v) for v in np.nanpercentile(boot, [2.5, 97.5])]
 
 
 def load_runs(
@@ -473,7 +502,7 @@ def seed_range(runs: dict[int, dict]) -> float:
     return max(lengths) - min(lengths)
 
 
-def table(done: dict[str, dict[int, dict]]) -> str:
+def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) -> str:
     lines = [
         "| variant | setting | seeds | acceptance length, mean (range) | per position "
         "| simulated | vs baseline, paired [95% CI] | beyond noise |",
@@ -507,7 +536,7 @@ def table(done: dict[str, dict[int, dict]]) -> str:
         )
     if ngram:
         runs = sum(len(r) for r in done.values())
-        todo = sum(seed not in done.get(v, {}) for v in DEFAULT for seed in SEEDS)
+        todo = sum(seed not in done.get(v, {}) for v in default for seed in SEEDS)
         any_run = next(iter(next(iter(done.values())).values()))["results"]
         ngram_ci = any_run["runs"]["ngram"]["per_prompt"]["mean_acceptance_length_ci95"]
         lines += [
@@ -517,10 +546,10 @@ def table(done: dict[str, dict[int, dict]]) -> str:
             f"{min(ngram):.3f} to {max(ngram):.3f} [95% CI {ngram_ci[0]:.3f}, {ngram_ci[1]:.3f}]. "
             f"{runs} runs, {wall / 3600:.1f} h in all; "
             + (
-                f"the {todo} runs of the plain benchmark's {len(DEFAULT)} variants x "
+                f"the {todo} runs of the plain benchmark's {len(default)} variants x "
                 f"{len(SEEDS)} seeds not done take about {todo * stages / runs / 3600:.1f} h more"
                 if todo
-                else f"the plain benchmark's {len(DEFAULT)} variants x {len(SEEDS)} seeds done"
+                else f"the plain benchmark's {len(default)} variants x {len(SEEDS)} seeds done"
             )
             + f" (training and evaluation: {stages / runs / 60:.0f} minutes a run; a run of N at "
             "once counts 1/N of its time).",
@@ -532,14 +561,70 @@ def table(done: dict[str, dict[int, dict]]) -> str:
                 f"baseline@{seed}: {s['eagle3_mean_acceptance_length']:.3f} [95% CI {lo:.3f}, "
                 f"{hi:.3f}], {s['eagle3_over_ngram']:.3f}x n-gram"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + context_table(done)) + "\n"
+
+
+def by_context(results: dict, run: str = "eagle3") -> np.ndarray:
+    """[prompts, buckets, k + 1] the per-prompt acceptance histograms by context length."""
+    return np.array(results["runs"][run]["acceptance_histograms_by_context"], dtype=np.float64)
+
+
+def context_table(done: dict[str, dict[int, dict]]) -> list[str]:
+    """Acceptance length by context length (the runs that kept it): per variant and bucket
+    pooled over its seeds, with the range over seeds, and the paired difference against the
+    baseline over the prompts that reached the bucket; the last bucket's over the first's."""
+    runs = {v: [r["results"] for r in rs.values()] for v, rs in done.items()}
+    runs = {v: rs for v, rs in runs.items() if all("context_edges_tokens" in r for r in rs)}
+    if not runs:
+        return []
+    edges = next(iter(runs.values()))[0]["context_edges_tokens"]
+    names = [f"{a}-{b}" for a, b in zip([0, *edges], edges)]
+    lines = [
+        "",
+        "Acceptance length by context length at the drafted position (tokens): pooled over the "
+        "seeds (range over the seeds); against the baseline, the paired difference [95% CI] over "
+        "the prompts that reached the bucket; last / first: the longest bucket reached over the "
+        "shortest.",
+        "",
+        f"| variant | {' | '.join(names)} | last / first |",
+        f"|---|{'---|' * len(names)}---|",
+    ]
+    base = [by_context(r) for r in runs.get("baseline", [])]
+    ngram = by_context(next(iter(runs.values()))[0], "ngram")
+    for variant, results in [*runs.items(), ("n-gram", None)]:
+        hists = [ngram] if results is None else [by_context(r) for r in results]
+        cells, means = [], []
+        for b in range(len(edges)):
+            if not sum(h[:, b].sum() for h in hists):
+                cells.append("")
+                continue
+            mean = float(pooled_length([h[:, b] for h in hists]))
+            means.append(mean)
+            each = [float(pooled_length([h[:, b]])) for h in hists]
+            cell = f"{mean:.3f}" + (f" ({min(each):.3f}-{max(each):.3f})" if len(each) > 1 else "")
+            if results is not None and variant != "baseline" and base:
+                reached = np.flatnonzero(sum(h[:, b].sum(-1) for h in hists + base))
+                diff, (lo, hi) = paired_difference(
+                    [h[reached, b] for h in hists], [h[reached, b] for h in base]
+                )
+                cell += f" {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            cells.append(cell)
+        ratio = f"{means[-1] / means[0]:.2f}" if means else ""
+        lines.append(f"| {variant} | {' | '.join(cells)} | {ratio} |")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", type=Path, default=ROOT / "bench_quality")
-    ap.add_argument("--kept", type=Path, default=KEPT, help="where each run's record is kept")
-    ap.add_argument("--configfile", type=Path, default=ROOT / "config.quality.yaml")
+    ap.add_argument(
+        "--bench",
+        choices=list(BENCHES),
+        default="quality",
+        help="quality: config.quality.yaml; long: config.long.yaml (by context length)",
+    )
+    ap.add_argument("--workdir", type=Path, help="default: bench_<bench> in the checkout")
+    ap.add_argument("--kept", type=Path, help="where each run's record is kept")
+    ap.add_argument("--configfile", type=Path, help="default: the benchmark's")
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run only these variants")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), choices=SEEDS)
     ap.add_argument("--cores", default="all")
@@ -550,6 +635,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.lanes < 1:
         ap.error(f"--lanes {args.lanes}: at least 1 (the runs at once)")
+    configfile, kept, default = BENCHES[args.bench]
+    args.configfile = args.configfile or configfile
+    args.kept = args.kept or kept
+    args.workdir = args.workdir or ROOT / f"bench_{args.bench}"
 
     bench = args.workdir / "bench"
     results_dir = results_dir_of(args.workdir, args.configfile)
@@ -571,7 +660,7 @@ def main() -> None:
         return [
             (variant, seed)
             for seed in args.seeds
-            for variant in args.only or DEFAULT
+            for variant in args.only or default
             if seed not in done.get(variant, {})
         ]
 
@@ -585,7 +674,7 @@ def main() -> None:
             done = kept_runs(build)
         run_all(args.workdir, args.kept, code, args.configfile, todo(done), args.cores, args.lanes)
         done = kept_runs(build)
-    text = table(done)
+    text = table(done, default)
     for where in (bench, args.kept):  # the kept table is the repository's copy of the results
         where.mkdir(parents=True, exist_ok=True)
         (where / "table.md").write_text(text)

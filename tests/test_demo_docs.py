@@ -128,12 +128,13 @@ def test_quality_config_plans_every_stage(tmp_path):
 
 
 def test_every_quality_variant_is_a_valid_config():
-    """Each variant of benchmarks/bench_quality.py, over config.yaml and config.quality.yaml as
-    the benchmark layers them, passes the config's checks (a misspelt setting would fail a run
-    hours into the benchmark)."""
+    """Each variant of benchmarks/bench_quality.py, over config.yaml and its benchmark's config
+    (config.quality.yaml, or config.long.yaml for the long benchmark's) as the benchmark layers
+    them, passes the config's checks (a misspelt setting would fail a run hours into the
+    benchmark)."""
     import yaml
 
-    from benchmarks.bench_quality import DEFAULT, SOURCE, SOURCES, VARIANTS
+    from benchmarks.bench_quality import BENCHES, DEFAULT, SOURCE, SOURCES, VARIANTS
     from workflow_scripts.lib.workflow.config import load_config
 
     def merged(base: dict, over: dict) -> dict:
@@ -143,17 +144,20 @@ def test_every_quality_variant_is_a_valid_config():
             out[key] = merged(out[key], value) if is_section else value
         return out
 
-    base = merged(
-        *(yaml.safe_load((ROOT / f).read_text()) for f in ("config.yaml", "config.quality.yaml"))
-    )
-    assert set(DEFAULT) <= set(VARIANTS)
-    for name, (_, settings) in [*VARIANTS.items(), *SOURCES.items()]:
-        cfg = load_config(
-            merged(base, {**settings, "train": {**settings.get("train", {}), "seed": 2}})
+    long = BENCHES["long"][2]
+    assert set(DEFAULT) <= set(VARIANTS) and set(long) <= set(VARIANTS)
+    for bench, (configfile, _, _) in BENCHES.items():
+        base = merged(*(yaml.safe_load(f.read_text()) for f in (ROOT / "config.yaml", configfile)))
+        names = (
+            long if bench == "long" else [v for v in VARIANTS if v == "baseline" or v not in long]
         )
-        assert cfg.train.seed == 2, name
-        source = (cfg.train.init_from or "").removeprefix(SOURCE)
-        assert source == (cfg.train.init_from or "") or source in SOURCES, name
+        for name, (_, settings) in [*((v, VARIANTS[v]) for v in names), *SOURCES.items()]:
+            cfg = load_config(
+                merged(base, {**settings, "train": {**settings.get("train", {}), "seed": 2}})
+            )
+            assert cfg.train.seed == 2, name
+            source = (cfg.train.init_from or "").removeprefix(SOURCE)
+            assert source == (cfg.train.init_from or "") or source in SOURCES, name
 
 
 def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path):
@@ -165,6 +169,7 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     from benchmarks.bench_quality import RUN_STAGES, code_now, load_runs, record, table
 
     hist = [[1, 0, 2, 3], [0, 1, 1, 4]]
+    by_context = [[[1, 0, 1, 1], [0, 0, 1, 2]], [[0, 1, 0, 2], [0, 0, 1, 2]]]  # 2 buckets each
     results = {
         "summary": {
             "eagle3_mean_acceptance_length": 3.0, "eagle3_mean_acceptance_length_ci95": [2.8, 3.2],
@@ -172,11 +177,13 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
             "eagle3_over_ngram": 2.0,
         },
         "made_by": {"code": "c", "versions": {}}, "num_prompts": 2, "max_new_tokens": 8,
-        "num_speculative_tokens": 3, "prompts": ["not kept"],
+        "num_speculative_tokens": 3, "prompts": ["not kept"], "context_edges_tokens": [256, 512],
         "runs": {
             "eagle3": {"acceptance_rate_per_position": [0.9, 0.8, 0.7],
-                       "acceptance_histograms": hist, "per_prompt": {}},
-            "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1.4, 1.6]}},
+                       "acceptance_histograms": hist, "per_prompt": {},
+                       "acceptance_histograms_by_context": by_context},
+            "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1.4, 1.6]},
+                      "acceptance_histograms_by_context": by_context},
         },
     }  # fmt: skip
     code = code_now()
@@ -199,6 +206,11 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
         assert {v: list(s) for v, s in done.items()} == {"baseline": [0], "qwen3_layer": [0]}
         assert stale == ["qwen3_layer@1"]
     assert "| qwen3_layer |" in table(done) and "+0.000" in table(done)
+    # by context length: each bucket pooled over prompts (the second: 1 + 16 accepted / 6
+    # steps), the last over the first
+    assert "| variant | 0-256 | 256-512 | last / first |" in table(done)
+    assert "| baseline | 3.000 | 3.667 | 1.22 |" in table(done)
+    assert "| qwen3_layer | 3.000 +0.000 [+0.000, +0.000] | 3.667 +0.000" in table(done)
     done, stale = load_runs(tmp_path, code, {**build, "verifier": "w"})  # this build's verifier
     assert done == {} and len(stale) == 3
 

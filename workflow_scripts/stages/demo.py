@@ -6,7 +6,8 @@
    ``package_docs``, natural text from the docstrings of installed packages, held-out prompts
    from module files never used in training (``lib/demo/docs.py``, ``config.quality.yaml``); or
    ``reasoning_tools``, the rule-based tasks with reasoning and tool calls
-   (``lib/demo/agentic.py``).
+   (``lib/demo/agentic.py``); or ``long_docs``, long runs of those documents in the prompt and
+   questions answered from anywhere in them (``lib/demo/long_docs.py``, ``config.long.yaml``).
 2. Trains a byte-level BPE tokenizer on the data with the special tokens and chat template of
    the corpus' chat format (``lib/demo/formats.py``: Llama-3, or Qwen3-style for
    ``reasoning_tools``).
@@ -45,6 +46,7 @@ from workflow_scripts.lib.demo.conversations import (
 )
 from workflow_scripts.lib.demo.docs import DocsCorpus
 from workflow_scripts.lib.demo.formats import FORMATS
+from workflow_scripts.lib.demo.long_docs import LongDocsCorpus
 from workflow_scripts.lib.demo.verifier import (
     build_tokenizer,
     evaluate,
@@ -82,14 +84,19 @@ def main() -> None:
     )
 
     tokenizer_rows = None  # the tokenizer learns chat_data's text, unless set below
-    if p.corpus == "package_docs":
-        corpus = DocsCorpus(p.seed, p.corpus_packages)
+    if p.corpus in ("package_docs", "long_docs"):
+        docs = DocsCorpus(p.seed, p.corpus_packages)
+        if p.corpus == "package_docs":
+            corpus = docs
+        else:
+            corpus = LongDocsCorpus(p.seed, p.corpus_packages, p.long_docs_chars)
         log.info("demo: package documentation of %s: %s", p.corpus_packages, corpus.summary())
         make_rows, make_eval = corpus.generate_conversations, corpus.generate_eval_prompts
         stream = corpus.iter_conversations()
         # the tokenizer learns one pass over the training documents, whatever num_conversations
         # is: a larger data set gets more answers from the same verifier, not another verifier
-        tokenizer_rows = corpus.generate_conversations(len(corpus.train))
+        # (the same tokenizer for long_docs as for package_docs)
+        tokenizer_rows = docs.generate_conversations(len(docs.train))
     elif p.corpus == "reasoning_tools":
         make_rows = functools.partial(demo_agentic.generate_conversations, p.seed)
         make_eval = functools.partial(generate_eval_prompts, p.seed)
@@ -103,7 +110,9 @@ def main() -> None:
         eval_rows = make_eval(p.num_eval_prompts)
     except ValueError as exc:
         raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
-    tokenizer = build_tokenizer(tokenizer_rows or rows, p.tokenizer_vocab_size, FORMATS[p.corpus])
+    tokenizer = build_tokenizer(
+        tokenizer_rows or rows, p.tokenizer_vocab_size, FORMATS[p.corpus], p.max_position_embeddings
+    )
     log.info(
         "demo: generated the data and a tokenizer of %d tokens in %.1fs",
         len(tokenizer),
@@ -128,8 +137,11 @@ def main() -> None:
         ", ".join(f"{f} {v:.0%}" for f, v in eval_report["exact_match_by_family"].items()),
     )
     for bad in eval_report["examples_wrong"][:5]:
-        log.info(
-            "demo: wrong: %r -> %r (expected %r)", bad["prompt"], bad["answer"], bad["reference"]
+        log.info(  # a long prompt by its end (long_docs: the question after the passage)
+            "demo: wrong: %r -> %r (expected %r)",
+            bad["prompt"] if len(bad["prompt"]) <= 400 else "..." + bad["prompt"][-400:],
+            bad["answer"],
+            bad["reference"],
         )
 
     report = {

@@ -110,7 +110,7 @@ QWEN3 = ChatFormat(
     stops=["<|im_end|>", "<|endoftext|>"],
 )
 
-FORMATS = {"rules": LLAMA3, "package_docs": LLAMA3, "reasoning_tools": QWEN3}
+FORMATS = {"rules": LLAMA3, "package_docs": LLAMA3, "reasoning_tools": QWEN3, "long_docs": LLAMA3}
 
 
 def format_of(tokenizer) -> ChatFormat:

@@ -41,13 +41,11 @@ SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-MAX_POSITION_EMBEDDINGS = 2048
 PACK_ROW_TOKENS = 256  # conversations are packed into rows of at least this many tokens
 WARMUP_FRACTION = 0.05
 MIN_LR_RATIO = 0.05
 WEIGHT_DECAY = 0.1  # helps the small model find the general rules sooner
 ADAM_BETAS = (0.9, 0.95)
-PROMPT_LOSS_WEIGHT = 0.0  # loss weight of non-assistant tokens
 GRAD_CLIP_NORM = 1.0
 LOG_INTERVAL_S = 5.0
 EVAL_MAX_NEW_TOKENS = 96
@@ -57,7 +55,9 @@ EVAL_BATCH_PROMPTS = 64
 # --------------------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer(rows: list[dict], vocab_size: int, fmt: ChatFormat = LLAMA3):
+def build_tokenizer(
+    rows: list[dict], vocab_size: int, fmt: ChatFormat = LLAMA3, max_length: int = 2048
+):
     """A byte-level BPE tokenizer trained on the conversations, as a transformers fast
     tokenizer with the special tokens of ``fmt`` (appended after the learnt vocabulary) and its
     template."""
@@ -106,7 +106,7 @@ def build_tokenizer(rows: list[dict], vocab_size: int, fmt: ChatFormat = LLAMA3)
         eos_token=fmt.eos,
         pad_token=fmt.pad,
         add_bos_token=False,
-        model_max_length=MAX_POSITION_EMBEDDINGS,
+        model_max_length=max_length,  # the verifier's max_position_embeddings
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = fmt.template
@@ -136,16 +136,23 @@ def encode_conversation(template: ChatTemplate, row: dict) -> list[tuple[list[in
     from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
 
     rows, _ = tokenize_rows(template, read_conversation(row), 1 << 30)
-    if max(len(r.input_ids) for r in rows) > MAX_POSITION_EMBEDDINGS:
-        raise UserError(f"demo conversation {row['id']} exceeds {MAX_POSITION_EMBEDDINGS} tokens")
+    limit = template.tokenizer.model_max_length
+    if max(len(r.input_ids) for r in rows) > limit:
+        raise UserError(
+            f"demo conversation {row['id']} has {max(len(r.input_ids) for r in rows)} tokens, "
+            f"past the verifier's maximum length (demo.max_position_embeddings {limit}): raise "
+            "it, or make the conversations shorter"
+        )
     return [(r.input_ids, r.loss_mask) for r in rows]
 
 
-def pack_batch(samples: list[tuple[list[int], list[int]]], pad_id: int):
+def pack_batch(
+    samples: list[tuple[list[int], list[int]]], pad_id: int, prompt_loss_weight: float = 0.0
+):
     """Packs conversations into rows (first fit, longest first) of at least PACK_ROW_TOKENS
     tokens. Positions restart at 0 for every conversation, which makes transformers attend only
     within each conversation. Returns input_ids, position_ids and the loss weight of each
-    token as a target: 1 for assistant tokens, PROMPT_LOSS_WEIGHT for the rest, 0 for padding
+    token as a target: 1 for assistant tokens, ``prompt_loss_weight`` for the rest, 0 for padding
     and for the first token of each conversation."""
     import torch
 
@@ -171,7 +178,7 @@ def pack_batch(samples: list[tuple[list[int], list[int]]], pad_id: int):
             n = len(ids)
             input_ids[r, at : at + n] = torch.tensor(ids)
             w = torch.tensor(mask, dtype=torch.float32)
-            weights[r, at : at + n] = w + (1 - w) * PROMPT_LOSS_WEIGHT
+            weights[r, at : at + n] = w + (1 - w) * prompt_loss_weight
             weights[r, at] = 0.0
             position_ids[r, at : at + n] = torch.arange(n)
             at += n
@@ -194,7 +201,7 @@ def make_config(p, tokenizer, fmt: ChatFormat = LLAMA3):
         num_hidden_layers=p.num_hidden_layers,
         num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        max_position_embeddings=p.max_position_embeddings,
         tie_word_embeddings=False,
         bos_token_id=ids(fmt.bos) if fmt.bos else None,
         eos_token_id=[ids(t) for t in fmt.stops],
@@ -254,7 +261,7 @@ def train_verifier(p, tokenizer, conversations: Iterator[dict]):
         ]
         tokens += sum(len(ids) for ids, _ in samples)
         assistant_tokens += sum(sum(mask) for _, mask in samples)
-        input_ids, position_ids, weights = pack_batch(samples, pad_id)
+        input_ids, position_ids, weights = pack_batch(samples, pad_id, p.prompt_loss_weight)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, p.train_steps, p.learning_rate)
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits

@@ -42,18 +42,26 @@ class DemoParams(StageParams):
     """The embedded default: a chat dataset and a tiny Llama verifier, built offline."""
 
     seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
-    corpus: Literal["rules", "package_docs", "reasoning_tools"] = Field(
+    corpus: Literal["rules", "package_docs", "reasoning_tools", "long_docs"] = Field(
         "rules",
         description="rules: rule-based tasks a tiny verifier learns exactly (quick, but every "
         "answer is predictable); package_docs: natural text, the docstrings of corpus_packages "
         "(realistic entropy, for measuring draft quality; see config.quality.yaml); "
         "reasoning_tools: the rule-based tasks with reasoning and tool calls, in a Qwen3-style "
-        "chat template that rewrites history (a reasoning and tool-calling verifier).",
+        "chat template that rewrites history (a reasoning and tool-calling verifier); "
+        "long_docs: long runs of the package_docs documents in the prompt and questions "
+        "answered by copying from anywhere in them (long contexts; see config.long.yaml).",
     )
     corpus_packages: list[str] = Field(
         ["torch", "vllm", "sympy", "pandas", "networkx", "numpy", "matplotlib", "sqlalchemy"],
         min_length=1,
-        description="Installed packages whose docstrings make the package_docs corpus.",
+        description="Installed packages whose docstrings make the package_docs and long_docs "
+        "corpora.",
+    )
+    long_docs_chars: tuple[int, int] = Field(
+        (600, 9000),
+        description="long_docs: the shortest and longest passage in the prompt, in characters "
+        "(log-uniform between; the evaluation prompts spread evenly over it).",
     )
     num_conversations: int = Field(
         1200, ge=10, description="Multi-turn conversations written to chat_data.jsonl."
@@ -72,6 +80,12 @@ class DemoParams(StageParams):
     num_attention_heads: int = Field(2, ge=1, description="Verifier attention heads.")
     num_key_value_heads: int = Field(1, ge=1, description="Verifier key/value heads (GQA).")
     intermediate_size: int = Field(384, ge=16, description="Verifier MLP width.")
+    max_position_embeddings: int = Field(
+        2048,
+        ge=256,
+        description="Verifier's maximum length in tokens; a conversation longer than this "
+        "stops the demo stage, naming it.",
+    )
     train_steps: int = Field(
         1200,
         ge=1,
@@ -83,9 +97,23 @@ class DemoParams(StageParams):
         8, ge=1, description="Conversations per verifier training step (packed into rows)."
     )
     learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+    prompt_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Loss weight of the verifier's training on the tokens that are not the "
+        "assistant's (1 for the assistant's): above 0 it also learns the prompts' text, at "
+        "their positions (long_docs: the passages, so that it is trained at long contexts).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "DemoParams":
+        lo, hi = self.long_docs_chars
+        if not 0 < lo <= hi:
+            raise ValueError(
+                f"long_docs_chars {[lo, hi]}: give the shortest and the longest passage, "
+                "0 < shortest <= longest"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by "
