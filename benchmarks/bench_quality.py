@@ -91,7 +91,7 @@ SPECULATORS = {
 # name -> (what it changes, the settings it changes by config section); in the order they run.
 # A train setting reruns train and evaluate; a storage dtype extract too (and the next run again).
 VARIANTS: dict[str, tuple[str, dict]] = {
-    "baseline": ("today's recipe (config.quality.yaml)", {}),
+    "baseline": ("today's recipe (the benchmark's config file as it is)", {}),
     "lk_hybrid": ("train.loss: lk_hybrid (LK losses, eta 3)", {"train": {"loss": "lk_hybrid"}}),
     "tv": ("train.loss: tv (total variation)", {"train": {"loss": "tv"}}),
     "fc_norm": (
