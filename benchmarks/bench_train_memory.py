@@ -20,6 +20,9 @@ key/value head of 128, MLP 1792) with the same head size and draft vocabulary, s
 * the 7-step / 1-step time ratio per N (linear in the steps: about 7 or less; the dense
   attention's grows with the square of the steps);
 * the new/old speed ratio at the most steps run, per N;
+* with --project N, per TTT step count, a step's peak memory fitted as a + b N over the sizes
+  run (linear attention) and projected to one sample of N tokens, with what the process held
+  before the step (weights, optimizer state);
 * the loss computed without chunks (the whole step's [N, vocabulary] logits at once) against
   the chunked loss, at the most steps: the memory the chunking saves.
 """
@@ -51,6 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--full-width", action="store_true", help="hidden 4096 (default on cuda)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--no-dense", action="store_true", help="skip the dense reference")
+    ap.add_argument(
+        "--project",
+        type=int,
+        metavar="TOKENS",
+        help="also project each case's peak memory to one sample of this many tokens "
+        "(a + b N fitted over the sizes run; linear attention)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one case, as JSON
     return ap.parse_args(argv)
 
@@ -125,7 +135,9 @@ def run_case(case: dict) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {**case, "seconds": seconds, "peak_bytes": peak_bytes(device) - before}
+    # held: what the process held before the step (weights, gradients' buffers, optimizer state;
+    # on the CPU also the interpreter and libraries)
+    return {**case, "seconds": seconds, "peak_bytes": peak_bytes(device) - before, "held": before}
 
 
 def current_rss() -> int:
@@ -156,6 +168,16 @@ def slope(points: list[tuple[float, float]]) -> float | None:
     my = sum(y for _, y in points) / len(points)
     sxx = sum((x - mx) ** 2 for x, _ in points)
     return sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares (a, b) of y = a + b x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
 
 
 def main() -> None:
@@ -211,6 +233,18 @@ def main() -> None:
             e = slope(pts)
             if e is not None:
                 print(f"peak memory ~ N^{e:.2f}  ({attention} attention, {steps} TTT steps)")
+    for steps in args.steps if args.project else []:
+        runs = [r for n in args.tokens if (r := ok((n, steps, "linear", True)))]
+        fit = linear_fit([(r["tokens"], r["peak_bytes"]) for r in runs])
+        if fit:
+            a, b = fit
+            held, step = max(r["held"] for r in runs), a + b * args.project
+            print(
+                f"{steps} TTT steps: a step's own peak {a / 2**30:.2f} GiB + {b / 2**20:.3f} MiB "
+                f"a token: {step / 2**30:.1f} GiB at {args.project} tokens; with what the process "
+                f"held before it ({held / 2**30:.1f} GiB: weights, optimizer state) "
+                f"{(held + step) / 2**30:.1f} GiB"
+            )
     lo, hi = min(args.steps), most
     for n in args.tokens:
         parts = []

@@ -55,25 +55,17 @@ class DemoParams(StageParams):
     corpus_packages: list[str] = Field(
         ["torch", "vllm", "sympy", "pandas", "networkx", "numpy", "matplotlib", "sqlalchemy"],
         min_length=1,
-        description="Installed packages whose docstrings make the package_docs and long_docs "
-        "corpora.",
+        description="Installed packages whose docstrings make the package_docs and long_docs.",
     )
     long_docs_chars: tuple[int, int] = Field(
-        (600, 9000),
+        (150, 10000),
         description="long_docs: the shortest and longest passage in the prompt, in characters "
         "(log-uniform between; the evaluation prompts spread evenly over it).",
     )
-    num_conversations: int = Field(
-        1200, ge=10, description="Multi-turn conversations written to chat_data.jsonl."
-    )
-    num_eval_prompts: int = Field(
-        48, ge=1, description="Held-out prompts (not in the training data) for evaluation."
-    )
+    num_conversations: int = Field(1200, ge=10, description="Conversations in chat_data.jsonl.")
+    num_eval_prompts: int = Field(48, ge=1, description="Held-out prompts for evaluation.")
     tokenizer_vocab_size: int = Field(
-        1024,
-        ge=300,
-        le=65536,
-        description="Vocabulary size of the BPE tokenizer trained on the data.",
+        1024, ge=300, le=65536, description="Vocabulary size of the BPE tokenizer trained on it."
     )
     hidden_size: int = Field(128, ge=16, description="Verifier hidden size.")
     num_hidden_layers: int = Field(8, ge=4, description="Verifier decoder layers.")
@@ -81,10 +73,7 @@ class DemoParams(StageParams):
     num_key_value_heads: int = Field(1, ge=1, description="Verifier key/value heads (GQA).")
     intermediate_size: int = Field(384, ge=16, description="Verifier MLP width.")
     max_position_embeddings: int = Field(
-        2048,
-        ge=256,
-        description="Verifier's maximum length in tokens; a conversation longer than this "
-        "stops the demo stage, naming it.",
+        2048, ge=256, description="Verifier's maximum length; no conversation may be longer."
     )
     train_steps: int = Field(
         1200,
@@ -108,11 +97,9 @@ class DemoParams(StageParams):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "DemoParams":
-        lo, hi = self.long_docs_chars
-        if not 0 < lo <= hi:
+        if not 0 < self.long_docs_chars[0] <= self.long_docs_chars[1]:
             raise ValueError(
-                f"long_docs_chars {[lo, hi]}: give the shortest and the longest passage, "
-                "0 < shortest <= longest"
+                f"long_docs_chars {list(self.long_docs_chars)}: 0 < shortest <= longest"
             )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
