@@ -103,6 +103,8 @@ def candidates(annotation, current) -> list:
         return [[a] for a in typing.get_args(args[0]) if [a] != current]
     if origin is list and args == (str,):
         return [list(current or [])[:1] or ["x"]]
+    if origin is tuple and current:  # demo.long_docs_chars: the first bound moved
+        return [[current[0] + 1, *current[1:]]]
     if origin is list:
         return [[1, 3, 5]]
     return []
