@@ -24,6 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
+# the smallest demo verifier the tests build (its tokenizer's vocabulary, its shape)
+TINY_VERIFIER = dict(
+    tokenizer_vocab_size=400,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+)
+
+
 def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]:
     """Runs the real demo script (``python -m workflow_scripts.stages.demo``) with DemoParams(**params)
     into ``out_dir``; returns the paths of its outputs (keys: verifier, chat_data, eval_prompts)."""

@@ -93,7 +93,7 @@ def test_errors_name_the_key():
 def test_demo_stage_builds_a_docs_verifier_and_data(tmp_path):
     """The real demo script with corpus package_docs, small: data from the corpus, a verifier
     that loads, its report with the held-out loss."""
-    from tests.conftest import run_demo
+    from tests.conftest import TINY_VERIFIER, run_demo
 
     build = run_demo(
         tmp_path,
@@ -101,12 +101,7 @@ def test_demo_stage_builds_a_docs_verifier_and_data(tmp_path):
         corpus_packages=PACKAGES,
         num_conversations=30,
         num_eval_prompts=4,
-        tokenizer_vocab_size=400,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
+        **TINY_VERIFIER,
         train_steps=2,
         train_batch_size_samples=4,
     )

@@ -69,7 +69,7 @@ def test_errors_name_the_key():
 def test_demo_stage_builds_a_long_context_verifier(tmp_path):
     """The real demo script with corpus long_docs, small: the verifier's maximum length is the
     setting's, and a conversation past it stops the stage, naming the setting."""
-    from tests.conftest import run_demo
+    from tests.conftest import TINY_VERIFIER, run_demo
 
     params = dict(
         corpus="long_docs",
@@ -77,12 +77,7 @@ def test_demo_stage_builds_a_long_context_verifier(tmp_path):
         long_docs_chars=(200, 2500),
         num_conversations=20,
         num_eval_prompts=4,
-        tokenizer_vocab_size=400,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
+        **TINY_VERIFIER,
         max_position_embeddings=4096,
         prompt_loss_weight=1.0,
         train_steps=2,
