@@ -21,8 +21,9 @@ key/value head of 128, MLP 1792) with the same head size and draft vocabulary, s
   attention's grows with the square of the steps);
 * the new/old speed ratio at the most steps run, per N;
 * with --project N, per TTT step count, a step's peak memory fitted as a + b N over the sizes
-  run (linear attention) and projected to one sample of N tokens, with what the process held
-  before the step (weights, optimizer state);
+  run (linear attention) and projected to one sample of N tokens, beside the same fit of what the
+  forward saves for the backward (counted exactly, tensor by tensor: on the CPU the resident
+  memory is coarse) and the weights, gradients and optimizer state;
 * the loss computed without chunks (the whole step's [N, vocabulary] logits at once) against
   the chunked loss, at the most steps: the memory the chunking saves.
 """
@@ -115,8 +116,18 @@ def run_case(case: dict) -> dict:
         else torch.autocast(device, enabled=False)
     )
 
+    held_storages = {t.untyped_storage().data_ptr() for t in [*model.parameters(), aux, final]}
+    saved: dict[int, int] = {}  # storage -> bytes, of what the forward keeps for the backward
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
     def step(tokens: int, ttt_steps: int) -> None:
-        with autocast:
+        saved.clear()
+        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss, _ = model(
                 aux[:, :tokens], final[:, :tokens], ids[:, :tokens], mask[:, :tokens], teacher,
                 ttt_steps,
@@ -137,7 +148,31 @@ def run_case(case: dict) -> dict:
     seconds = time.perf_counter() - start
     # held: what the process held before the step (weights, gradients' buffers, optimizer state;
     # on the CPU also the interpreter and libraries)
-    return {**case, "seconds": seconds, "peak_bytes": peak_bytes(device) - before, "held": before}
+    return {
+        **case,
+        "seconds": seconds,
+        "peak_bytes": peak_bytes(device) - before,
+        "held": before,
+        "saved_bytes": sum(saved.values()),
+        "state_bytes": state_bytes(model, teacher, optimizer),
+    }
+
+
+def state_bytes(*holders) -> int:
+    """Bytes of the weights (trained and frozen), their gradients and the optimizer's state."""
+    import torch
+
+    tensors = {}
+    for h in holders:
+        if isinstance(h, torch.optim.Optimizer):
+            found = [t for st in h.state.values() for t in st.values() if torch.is_tensor(t)]
+        else:
+            found = [t for p in h.parameters() for t in (p, p.grad) if t is not None]
+            found += list(h.buffers())
+        tensors.update(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+        )
+    return sum(tensors.values())
 
 
 def current_rss() -> int:
@@ -198,7 +233,10 @@ def main() -> None:
     most = max(args.steps)
     results: dict[tuple, dict] = {}
     base = dict(device=args.device, dtype=args.dtype, shape=shape, draft_vocab=args.draft_vocab)
-    print(f"{'tokens':>7} {'steps':>5} {'attention':>9} {'loss':>9} {'seconds':>9} {'peak MiB':>9}")
+    print(
+        f"{'tokens':>7} {'steps':>5} {'attention':>9} {'loss':>9} {'seconds':>9} {'peak MiB':>9} "
+        f"{'saved MiB':>9}"
+    )
     cases = [(n, s, a, True) for n in args.tokens for s in args.steps for a in attentions] + [
         (n, most, "linear", False) for n in args.tokens
     ]
@@ -215,7 +253,7 @@ def main() -> None:
         shown = (
             f"{r['error']}"
             if "error" in r
-            else f"{r['seconds']:9.1f} {r['peak_bytes'] / 2**20:9.0f}"
+            else f"{r['seconds']:9.1f} {r['peak_bytes'] / 2**20:9.0f} {r['saved_bytes'] / 2**20:9.0f}"
         )
         loss = "chunked" if chunked else "whole"
         print(f"{n:7d} {steps:5d} {attention:>9} {loss:>9} {shown}", flush=True)
@@ -235,15 +273,19 @@ def main() -> None:
                 print(f"peak memory ~ N^{e:.2f}  ({attention} attention, {steps} TTT steps)")
     for steps in args.steps if args.project else []:
         runs = [r for n in args.tokens if (r := ok((n, steps, "linear", True)))]
-        fit = linear_fit([(r["tokens"], r["peak_bytes"]) for r in runs])
-        if fit:
-            a, b = fit
-            held, step = max(r["held"] for r in runs), a + b * args.project
+        peak = linear_fit([(r["tokens"], r["peak_bytes"]) for r in runs])
+        saved = linear_fit([(r["tokens"], r["saved_bytes"]) for r in runs])
+        if peak and saved:
+            gib, n = 2**30, args.project
+            state = max(r["state_bytes"] for r in runs)
+            step = peak[0] + peak[1] * n
             print(
-                f"{steps} TTT steps: a step's own peak {a / 2**30:.2f} GiB + {b / 2**20:.3f} MiB "
-                f"a token: {step / 2**30:.1f} GiB at {args.project} tokens; with what the process "
-                f"held before it ({held / 2**30:.1f} GiB: weights, optimizer state) "
-                f"{(held + step) / 2**30:.1f} GiB"
+                f"{steps} TTT steps: a step's own peak {peak[0] / gib:.2f} GiB + "
+                f"{peak[1] / 2**20:.3f} MiB a token, of which saved for the backward "
+                f"{saved[0] / gib:.2f} GiB + {saved[1] / 2**20:.3f} MiB a token (exact: the "
+                f"tensors autograd keeps); at {n} tokens {step / gib:.1f} GiB (saved "
+                f"{(saved[0] + saved[1] * n) / gib:.1f} GiB); with the weights, their gradients "
+                f"and the optimizer's state ({state / gib:.1f} GiB) {(state + step) / gib:.1f} GiB"
             )
     lo, hi = min(args.steps), most
     for n in args.tokens:
