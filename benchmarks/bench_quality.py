@@ -171,8 +171,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     ),
     # the long-context benchmark's (--bench long): its baseline trains on samples cut at 512
     "long_samples": (
-        "prepare.max_seq_len_tokens: 4096 (whole conversations, not cut at 512 tokens)",
-        {"prepare": {"max_seq_len_tokens": 4096}},
+        "prepare.max_seq_len_tokens: 4095 (whole conversations, not cut at 512 tokens)",
+        {"prepare": {"max_seq_len_tokens": 4095}},
     ),
     "window": (
         "train.sliding_window_tokens: 512 (the draft attends to the 512 latest tokens)",
@@ -180,7 +180,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     ),
     "long_window": (
         "whole conversations and a 512-token sliding window",
-        {"prepare": {"max_seq_len_tokens": 4096}, "train": {"sliding_window_tokens": 512}},
+        {"prepare": {"max_seq_len_tokens": 4095}, "train": {"sliding_window_tokens": 512}},
     ),
 }
 # The drafts a variant starts from (train.init_from: "source:<name>"): trained once in a run's

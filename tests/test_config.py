@@ -115,6 +115,11 @@ def test_schema_documents_every_parameter():
             {"evaluate": {"context_buckets_tokens": [512, 256]}},
             r"context_buckets_tokens \[512, 256\]: .* increasing",
         ),
+        (
+            {"prepare": {"max_seq_len_tokens": 4096}},
+            r"prepare\.max_seq_len_tokens 4096 lets a sample reach extract\.max_model_len_tokens "
+            r"4096.*to 4095 or below",
+        ),
     ],
 )
 def test_bad_config_names_key_and_fix(raw, expected):

@@ -167,6 +167,15 @@ class _TopLevel(BaseModel):
                 f"config key 'eval_prompts': set demo ({demo[0]}) is the embedded default's "
                 "held-out prompts, built only when 'verifier' is null: name your own prompts"
             )
+        longest, engine = self.prepare.max_seq_len_tokens, self.extract.max_model_len_tokens
+        if longest >= engine and self.extract.on_too_long == "fail":
+            raise ValueError(
+                f"prepare.max_seq_len_tokens {longest} lets a sample reach "
+                f"extract.max_model_len_tokens {engine}, and extraction keeps one position for "
+                "the token the engine generates: the run would stop at extract. Set "
+                f"prepare.max_seq_len_tokens to {engine - 1} or below, or raise "
+                "extract.max_model_len_tokens (up to the verifier's max_position_embeddings)"
+            )
         if self.train.num_nodes > 1 and self.extract.disk_budget is not None:
             raise ValueError(
                 f"train.num_nodes {self.train.num_nodes} with extract.disk_budget: the engine "
