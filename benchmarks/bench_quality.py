@@ -346,9 +346,12 @@ def run_once(
         draft = source_draft(workdir, bench, configfile, init_from[len(SOURCE) :], cores, lanes)
         settings["train"]["init_from"] = str(draft)
     override.write_text(yaml.safe_dump(settings))
+    results_dir = results_dir_of(workdir, configfile)
+    # the run's evaluation is made afresh: a run stopped during training leaves the last run's
+    # results.json, which Snakemake would take as this run's without training its draft
+    (results_dir / "evaluate" / "results.json").unlink(missing_ok=True)
     start = time.monotonic()
     snakemake_run(workdir, configfile, override, "evaluate", cores, lanes, name)
-    results_dir = results_dir_of(workdir, configfile)
     tmp = out.with_name(f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
