@@ -188,14 +188,3 @@ def test_a_micro_batch_budget_below_the_longest_sample_is_warned_of():
     (warning,) = [w for w in preflight.warnings_for(config) if "micro_batch" in w]
     assert "train.micro_batch_budget_tokens 256 is below prepare.max_seq_len_tokens 2048" in warning
     assert not [w for w in preflight.warnings_for(cfg()) if "micro_batch" in w]
-
-
-def test_a_window_shorter_than_the_samples_is_warned_of():
-    """config.yaml's window is its samples' length; a config that lengthens the samples and
-    keeps the window hears of it."""
-    config = load_config({"prepare": {"max_seq_len_tokens": 1000}, "extract": {"max_model_len_tokens": 1024}, "train": {"sliding_window_tokens": 512}})  # fmt: skip
-    (warning,) = [w for w in preflight.warnings_for(config) if "sliding_window" in w]
-    assert "train.sliding_window_tokens 512 is below prepare.max_seq_len_tokens 1000" in warning
-    assert "set train.sliding_window_tokens: 1000" in warning
-    same = {"prepare": {"max_seq_len_tokens": 512}, "train": {"sliding_window_tokens": 512}}
-    assert not [w for w in preflight.warnings_for(load_config(same)) if "sliding_window" in w]

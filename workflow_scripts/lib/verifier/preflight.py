@@ -226,15 +226,6 @@ def warnings_for(cfg) -> list[str]:
             f"{longest}: samples longer than {budget} tokens are cut to it in training (raise "
             "train.micro_batch_budget_tokens to train on whole samples)"
         )
-    window = cfg.train.sliding_window_tokens
-    if window is not None and window < longest:
-        found.append(
-            f"train.sliding_window_tokens {window} is below prepare.max_seq_len_tokens "
-            f"{longest}: the draft is trained on samples longer than it attends to, and on the "
-            "long-context benchmark a draft trained and windowed at its samples' length held "
-            "acceptance best (docs/training.md#a-sliding-window); set "
-            f"train.sliding_window_tokens: {longest} unless the shorter window is meant"
-        )
     ttt, k = cfg.train.ttt_steps, cfg.evaluate.num_speculative_tokens
     if k > ttt:
         found.append(
