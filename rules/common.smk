@@ -28,7 +28,7 @@ from workflow_scripts.lib.workflow.code_inputs import (
     shard_code_fingerprint,
     stage_fingerprint,
 )
-from workflow_scripts.lib.workflow.config import ConfigError, load_config, warnings_across_stages
+from workflow_scripts.lib.workflow.config import ConfigError, load_config
 from workflow_scripts.lib.workflow.definitions import EngineSettings
 from workflow_scripts.lib.workflow.registry import STAGES
 
@@ -128,7 +128,6 @@ if CFG.verifier is not None:
     VERIFIER_CFG = verifier_config(CFG.verifier)
 else:
     _warnings += preflight.warnings_for(CFG)
-_warnings += warnings_across_stages(CFG)
 for _warning in _warnings:
     logger.warning(f"Warning: {_warning}")
 

@@ -14,12 +14,7 @@ import yaml
 from snakemake.utils import validate
 
 from workflow_scripts.lib.workflow import cli
-from workflow_scripts.lib.workflow.config import (
-    ConfigError,
-    json_schema,
-    load_config,
-    warnings_across_stages,
-)
+from workflow_scripts.lib.workflow.config import ConfigError, json_schema, load_config
 from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,14 +218,3 @@ def test_readme_lists_the_execution_settings_of_each_stage():
     }
     expected = {s: set(STAGES[s].params.EXECUTION) for s in STAGES if STAGES[s].config_key == s}
     assert listed == {s: names for s, names in expected.items() if names}
-
-
-def test_a_window_shorter_than_the_samples_is_warned_of():
-    """config.yaml's window is its samples' length; a config that lengthens the samples and
-    keeps the window hears of it."""
-    config = load_config({"prepare": {"max_seq_len_tokens": 1000}, "extract": {"max_model_len_tokens": 1024}, "train": {"sliding_window_tokens": 512}})  # fmt: skip
-    (warning,) = [w for w in warnings_across_stages(config) if "sliding_window" in w]
-    assert "train.sliding_window_tokens 512 is below prepare.max_seq_len_tokens 1000" in warning
-    assert "set train.sliding_window_tokens: 1000" in warning
-    same = {"prepare": {"max_seq_len_tokens": 512}, "train": {"sliding_window_tokens": 512}}
-    assert not [w for w in warnings_across_stages(load_config(same)) if "sliding_window" in w]

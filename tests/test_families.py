@@ -300,7 +300,9 @@ def family_workflow(family, tmp_path_factory):
     config = {"verifier": str(verifier), "chat_data": str(chats), "eval_prompts": str(chats),
               "extract": {"backend": "transformers", "aux_layer_ids": AUX,
                           "max_model_len_tokens": 512},
-              "evaluate": {"max_model_len_tokens": 512}}  # fmt: skip
+              "evaluate": {"max_model_len_tokens": 512},
+              # the verifier's 512 positions: samples below the engine's length, no window
+              "prepare": {"max_seq_len_tokens": 256}, "train": {"sliding_window_tokens": None}}  # fmt: skip
     return copy_workflow(root / "wf", config), config
 
 

@@ -49,6 +49,7 @@ RECORD = "resolved_config"  # records every result setting: reruns on any of the
 TOGETHER = {
     (s, "num_nodes"): {"tensor_parallel_size": 2} for s in ("regenerate", "extract", "evaluate")
 }
+TOGETHER["train", "draft_attention"] = {"sliding_window_tokens": None}  # none for MLA drafts
 NO_OTHER_VALUE = {
     ("evaluate", "sampled_temperature"): "sampling under speculative decoding needs GPUs",
     ("train", "init_from"): "a draft directory; tests/test_pipeline.py starts from the build's own",

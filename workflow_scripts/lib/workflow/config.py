@@ -299,21 +299,6 @@ def _share(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return raw
 
 
-def warnings_across_stages(cfg) -> list[str]:
-    """What is allowed across stages' settings but probably not meant (printed at dry-run)."""
-    found = []
-    window, longest = cfg.train.sliding_window_tokens, cfg.prepare.max_seq_len_tokens
-    if window is not None and window < longest:
-        found.append(
-            f"train.sliding_window_tokens {window} is below prepare.max_seq_len_tokens "
-            f"{longest}: the draft is trained on samples longer than it attends to, and on the "
-            "long-context benchmark a draft trained and windowed at its samples' length held "
-            "acceptance best (docs/training.md#a-sliding-window); set "
-            f"train.sliding_window_tokens: {longest} unless the shorter window is meant"
-        )
-    return found
-
-
 def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
     """Validate a config dict (as Snakemake loaded it); raise ConfigError naming every bad key."""
     try:
