@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_demo
+from tests.conftest import ROOT, TINY_VERIFIER, run_demo
 from workflow_scripts.lib.chat.dataset import tokenize_conversation
 from workflow_scripts.lib.demo import conversations as demo_data
 from workflow_scripts.lib.demo import verifier as demo
@@ -26,12 +26,7 @@ from workflow_scripts.lib.demo import verifier as demo
 SMALL = dict(
     num_conversations=40,
     num_eval_prompts=6,
-    tokenizer_vocab_size=400,
-    hidden_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    intermediate_size=64,
+    **TINY_VERIFIER,
     train_steps=3,
     train_batch_size_samples=4,
 )
