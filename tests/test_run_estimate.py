@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import yaml
 
 from tests.multinode import merged
 from tests.workflow_runner import copy_workflow, dry_run_in_process, jobs_in
+from workflow_scripts.lib.hidden_states import estimate as estimate_module
 from workflow_scripts.lib.hidden_states.disk_plan import STORAGE_CHOICES, disk_plan
 from workflow_scripts.lib.hidden_states.estimate import (
     HEADER_BYTES,
@@ -167,6 +169,9 @@ def report(paths, config: dict, targets: list[str]) -> tuple[list[str], list[str
 
 def test_the_estimate_names_tokens_bytes_and_free_space(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # a disk of 1 TiB free, whatever the machine running the test has
+    usage = SimpleNamespace(total=2**40, used=0, free=2**40)
+    monkeypatch.setattr(estimate_module.shutil, "disk_usage", lambda path: usage)
     paths = prepared(tmp_path, rows_out=1000, tokens=2_000_000, loss_masked_tokens=600_000)
     verifier = {"num_hidden_layers": 32, "hidden_size": 4096, "vocab_size": 128256}
     (paths["verifier"] / "config.json").write_text(json.dumps(verifier))
@@ -175,6 +180,7 @@ def test_the_estimate_names_tokens_bytes_and_free_space(tmp_path, monkeypatch):
     lines, warnings = report(paths, config, ["draft_ckpt"])
     total, shards = shard_set_bytes(Counts(1000, 2_000_000, 600_000), 256, 3, 4096, "bfloat16")
     assert shards == 4 and warnings == []
+    assert lines[3].startswith(f"  disk: 1.00 TiB free in {tmp_path / 'results'}")
     assert (
         lines[1]
         == "  extract: 1,000 samples, 2,000,000 verifier tokens (600,000 of them in the loss)"
