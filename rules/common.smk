@@ -1,5 +1,7 @@
 # Config loading and validation, the checks against the verifier, paths, and what each stage's
 # rules record and run.
+import functools
+import hashlib
 import json
 import os
 import shlex
@@ -262,6 +264,41 @@ def stage_config(stage, job_layout=False):
     if job_layout:
         settings.update({name: getattr(params, name) for name in params.JOB_LAYOUT})
     return json.dumps(settings, sort_keys=True)
+
+
+def made_from(rule_name):
+    """A params function: what made the rule's inputs, as one param Snakemake records: for every
+    rule upstream of it (the producers of its inputs, and of theirs in turn), that stage's result
+    settings (a digest of stage_config's) and its code fingerprint. Snakemake compares a job's
+    params only where its outputs exist, and takes a missing file between a target and its
+    inputs as a removed intermediate, not as work to do: after a job is killed (its outputs
+    deleted) and its settings or code changed, a rule after it would otherwise be up to date with
+    what the old settings made (`snakemake evaluate` keeping the old draft's results). With it,
+    that rule's params differ, it reruns, and so does the killed job. Execution settings and
+    job counts are not in it: they change how jobs run, not what they make."""
+    return lambda wildcards: _made_from(rule_name)
+
+
+@functools.cache
+def _made_from(rule_name):
+    code_dir = str(RESULTS / "code") + os.sep
+    rules_by_name = {r.name: r for r in workflow.rules}
+    found, todo = {}, [rules_by_name[rule_name]]
+    while todo:
+        consumer = todo.pop()
+        paths = [str(f) for f in consumer.input if not callable(f)]
+        for producer in workflow.rules:
+            if producer.name in found or not any(map(producer.is_producer, paths)):
+                continue
+            parts = []
+            if producer.name in STAGES and STAGES[producer.name].params is not None:
+                digest = hashlib.sha256(stage_config(producer.name).encode()).hexdigest()
+                parts.append(f"settings {digest[:16]}")
+            codes = [Path(f).stem for f in producer.input if str(f).startswith(code_dir)]
+            parts.append(f"code {' '.join(sorted(codes))}")
+            found[producer.name] = f"{producer.name}: {', '.join(parts)}"
+            todo.append(producer)
+    return "; ".join(found[name] for name in sorted(found))
 
 
 def result_config():

@@ -17,6 +17,7 @@ rule data:
         conda_env()
     params:
         config=stage_config("data"),
+        made_from=made_from("data"),
         cmd=stage_cmd("data"),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -34,6 +34,7 @@ rule evaluate_draft:
         gpu=EVALUATE_GPUS,
     params:
         config=stage_config("evaluate"),
+        made_from=made_from("evaluate_draft"),
         cmd=stage_cmd(
             "evaluate",
             gpus=CFG.evaluate.gpus_per_node,

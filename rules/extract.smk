@@ -31,6 +31,7 @@ rule extract:
         gpu=EXTRACT_GPUS,
     params:
         config=stage_config("extract", job_layout=True),
+        made_from=made_from("extract"),
         cmd=stage_cmd(
             "extract",
             gpus=CFG.extract.gpus_per_node,
@@ -64,6 +65,7 @@ checkpoint extract_merge:
         # extract's settings too: after a failed extract job (its part removed), a rerun merges
         # again, and so runs the job again, instead of keeping the manifest of the old settings
         config=stage_config("extract", job_layout=True),
+        made_from=made_from("extract_merge"),
         cmd=stage_cmd("extract_merge"),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -14,6 +14,7 @@ rule prepare:
     threads: CFG.prepare.num_processes or workflow.cores
     params:
         config=stage_config("prepare"),
+        made_from=made_from("prepare"),
         cmd=stage_cmd("prepare", threads_as="num_processes", verifier=VERIFIER_DIR),
     shell:
         "{params.cmd} > {log} 2>&1"

@@ -31,6 +31,7 @@ rule regenerate:
         gpu=REGENERATE_GPUS,
     params:
         config=stage_config("regenerate", job_layout=True),
+        made_from=made_from("regenerate"),
         cmd=stage_cmd(
             "regenerate",
             gpus=CFG.regenerate.gpus_per_node,
@@ -62,6 +63,7 @@ checkpoint regenerate_merge:
     params:
         # regenerate's settings too (as extract_merge's: a failed job's part is run again)
         config=stage_config("regenerate", job_layout=True),
+        made_from=made_from("regenerate_merge"),
         cmd=stage_cmd("regenerate_merge", work_dir=REGENERATE_WORK),
     shell:
         "{params.cmd} > {log} 2>&1"

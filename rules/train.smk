@@ -49,6 +49,7 @@ rule extract_plan:
         conda_env()
     params:
         config=stage_config("extract_plan"),
+        made_from=made_from("extract_plan"),
         cmd=stage_cmd("extract_plan", verifier=VERIFIER_DIR, shard_dir=STREAM_SHARDS),
     shell:
         "{params.cmd} > {log} 2>&1"
@@ -79,6 +80,7 @@ rule train:
     params:
         config=stage_config("train"),
         engine=stage_config("extract") if STREAMED else "",
+        made_from=made_from("train"),
         cmd=stage_cmd(
             "train",
             gpus=TRAIN_GPUS,

@@ -13,6 +13,7 @@ rule vocab:
         conda_env()
     params:
         config=stage_config("vocab"),
+        made_from=made_from("vocab"),
         cmd=stage_cmd("vocab", verifier=VERIFIER_DIR),
     shell:
         "{params.cmd} > {log} 2>&1"
