@@ -282,8 +282,7 @@ def made_from(rule_name):
 @functools.cache
 def _made_from(rule_name):
     code_dir = str(RESULTS / "code") + os.sep
-    rules_by_name = {r.name: r for r in workflow.rules}
-    found, todo = {}, [rules_by_name[rule_name]]
+    found, todo = {}, [workflow.get_rule(rule_name)]
     while todo:
         consumer = todo.pop()
         paths = [str(f) for f in consumer.input if not callable(f)]
