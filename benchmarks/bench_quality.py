@@ -8,6 +8,7 @@ recipe as a paired difference over the same prompts with a bootstrap interval.
     .venv/bin/python benchmarks/bench_quality.py --lanes 2            # 2 runs at once
     .venv/bin/python benchmarks/bench_quality.py --table              # the table of what is done
     .venv/bin/python benchmarks/bench_quality.py --bench long         # long contexts (below)
+    .venv/bin/python benchmarks/bench_quality.py --bench real         # a real pretrained verifier
 
 Runs share one Snakemake working directory (--workdir), one after the other, as a user would
 change the config: the workflow reruns exactly what a run changes (a train setting: train and
@@ -182,6 +183,44 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "whole conversations and a 512-token sliding window",
         {"prepare": {"max_seq_len_tokens": 4095}, "train": {"sliding_window_tokens": 512}},
     ),
+    # the real-model benchmark's (--bench real): SmolLM2-135M-Instruct, 30 layers, vocabulary
+    # 49,152; its baseline: auxiliary layers [2, 15, 27], draft vocabulary 8,192, whole
+    # conversations, full attention
+    "real_speculators_equal_steps": (
+        "speculators 0.9's recipe at the baseline's steps and micro-batches",
+        {"train": {**SPECULATORS, "micro_batch_budget_tokens": 2048, "warmup_steps": 4}},
+    ),
+    "real_fc_norm": (
+        "train.fc_norm and train.norm_output: true (vLLM's EAGLE-3.1 norms, the per-layer form)",
+        {"train": {"fc_norm": True, "norm_output": True}},
+    ),
+    "real_aux_high": (
+        "extract.aux_layer_ids: [2, 15, 29] (the last layer's input, not N - 3's)",
+        {"extract": {"aux_layer_ids": [2, 15, 29]}},
+    ),
+    "real_aux_deep": (
+        "extract.aux_layer_ids: [8, 20, 29] (each a third of the way deeper)",
+        {"extract": {"aux_layer_ids": [8, 20, 29]}},
+    ),
+    "real_aux_last": (
+        "extract.aux_layer_ids: [27, 28, 29] (the last three layers' inputs)",
+        {"extract": {"aux_layer_ids": [27, 28, 29]}},
+    ),
+    "vocab_4k": ("vocab.draft_vocab_size: 4096", {"vocab": {"draft_vocab_size": 4096}}),
+    "vocab_16k": ("vocab.draft_vocab_size: 16384", {"vocab": {"draft_vocab_size": 16384}}),
+    "vocab_32k": ("vocab.draft_vocab_size: 32768", {"vocab": {"draft_vocab_size": 32768}}),
+    "vocab_full": (
+        "vocab.draft_vocab_size: 49152 (the verifier's whole vocabulary)",
+        {"vocab": {"draft_vocab_size": 49152}},
+    ),
+    "real_samples_512": (
+        "prepare.max_seq_len_tokens: 512 (samples cut short, not whole conversations)",
+        {"prepare": {"max_seq_len_tokens": 512}},
+    ),
+    "real_window": (
+        "train.sliding_window_tokens: 512 (the draft attends to the 512 latest tokens)",
+        {"train": {"sliding_window_tokens": 512}},
+    ),
 }
 # The drafts a variant starts from (train.init_from: "source:<name>"): trained once in a run's
 # working directory with these settings (and seed 0) over the quality build, as a user would
@@ -212,6 +251,28 @@ DEFAULT = (
     "accepted_chain",
     "warm_start",
 )
+# the real-model benchmark's plain run: the levers the field measured on real models; the
+# variants that change prepare's or extract's output (samples cut short, auxiliary layers) last,
+# as each redoes extraction
+REAL = (
+    "baseline",
+    "real_speculators_equal_steps",
+    "eagle3.1_norms",
+    "real_fc_norm",
+    "vocab_4k",
+    "vocab_16k",
+    "vocab_32k",
+    "vocab_full",
+    "layers_2",
+    "qwen3_layer",
+    "ttt_5",
+    "topk_loss",
+    "real_window",
+    "real_aux_high",
+    "real_aux_deep",
+    "real_aux_last",
+    "real_samples_512",
+)
 # the benchmarks: name -> (config file, where runs are kept, the variants a plain run measures)
 BENCHES = {
     "quality": (ROOT / "config.quality.yaml", KEPT, DEFAULT),
@@ -220,6 +281,7 @@ BENCHES = {
         KEPT.with_name("long"),
         ("baseline", "long_samples", "window", "long_window"),
     ),
+    "real": (ROOT / "config.real.yaml", KEPT.with_name("real"), REAL),
 }
 
 
@@ -261,10 +323,13 @@ def record(results: dict, **facts) -> dict:
             "ngram": {
                 "per_prompt": {"mean_acceptance_length_ci95": ngram["per_prompt"][
                     "mean_acceptance_length_ci95"]},
+                "acceptance_histograms": ngram["acceptance_histograms"],
                 "acceptance_histograms_by_context": ngram["acceptance_histograms_by_context"],
             },
         },
         "context_edges_tokens": results["context_edges_tokens"],
+        # each set's prompts, in order (the histograms' rows, set after set)
+        "sets": {name: {"num_prompts": e["num_prompts"]} for name, e in results["sets"].items()},
     }  # fmt: skip
     return {**facts, "results": kept}
 
@@ -564,7 +629,45 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
                 f"baseline@{seed}: {s['eagle3_mean_acceptance_length']:.3f} [95% CI {lo:.3f}, "
                 f"{hi:.3f}], {s['eagle3_over_ngram']:.3f}x n-gram"
             )
-    return "\n".join(lines + context_table(done)) + "\n"
+    return "\n".join(lines + set_table(done) + context_table(done)) + "\n"
+
+
+def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
+    """Acceptance length per evaluation set (the runs that kept their sets, where there are
+    several): per variant pooled over its seeds (range over the seeds) and, against the
+    baseline, the paired difference [95% CI] over the set's prompts; n-gram's last."""
+    runs = {v: [r["results"] for r in rs.values()] for v, rs in done.items()}
+    runs = {v: rs for v, rs in runs.items() if all("sets" in r for r in rs)}
+    if not runs or len(next(iter(runs.values()))[0]["sets"]) < 2:
+        return []
+    sets = next(iter(runs.values()))[0]["sets"]
+    ends = np.cumsum([e["num_prompts"] for e in sets.values()])
+    picks = [np.arange(end - e["num_prompts"], end) for end, e in zip(ends, sets.values())]
+    lines = [
+        "",
+        "Acceptance length per evaluation set: pooled over the seeds (range over the seeds), and "
+        "against the baseline the paired difference [95% CI] over the set's prompts.",
+        "",
+        "| variant | " + " | ".join(f"{n} ({e['num_prompts']})" for n, e in sets.items()) + " |",
+        f"|---|{'---|' * len(sets)}",
+    ]
+    base = [histograms(r) for r in runs.get("baseline", [])]
+    ngram = histograms(next(iter(runs.values()))[0], "ngram")
+    for variant, results in [*runs.items(), ("n-gram", None)]:
+        hists = [ngram] if results is None else [histograms(r) for r in results]
+        cells = []
+        for pick in picks:
+            mine = [h[pick] for h in hists]
+            cell = f"{float(pooled_length(mine)):.3f}"
+            if len(mine) > 1:
+                each = [float(pooled_length([h])) for h in mine]
+                cell += f" ({min(each):.3f}-{max(each):.3f})"
+            if results is not None and variant != "baseline" and base:
+                diff, (lo, hi) = paired_difference(mine, [h[pick] for h in base])
+                cell += f" {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            cells.append(cell)
+        lines.append(f"| {variant} | {' | '.join(cells)} |")
+    return lines
 
 
 def by_context(results: dict, run: str = "eagle3") -> np.ndarray:
@@ -623,7 +726,8 @@ def main() -> None:
         "--bench",
         choices=list(BENCHES),
         default="quality",
-        help="quality: config.quality.yaml; long: config.long.yaml (by context length)",
+        help="quality: config.quality.yaml; long: config.long.yaml (by context length); real: "
+        "config.real.yaml (a real pretrained verifier, human-written prompts)",
     )
     ap.add_argument("--workdir", type=Path, help="default: bench_<bench> in the checkout")
     ap.add_argument("--kept", type=Path, help="where each run's record is kept")

