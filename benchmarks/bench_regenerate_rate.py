@@ -1,7 +1,8 @@
 """The regenerate stage's generation rate against plain vLLM generation of the same prompts.
 
     python benchmarks/bench_regenerate_rate.py [VERIFIER_DIR] [--chat-data FILE]
-        [--conversations N] [--passes N] [--configfile FILE] [--set KEY=VALUE ...]
+        [--conversations N] [--passes N] [--config FILE] [--configfile FILE]
+        [--set KEY=VALUE ...] [--json FILE]
 
 In one run, with one engine (the stage's own ``make_engine``: prefix caching, max_num_seqs =
 batch_size_samples) and the same settings (config.yaml's regenerate section, under an optional
@@ -16,15 +17,15 @@ the chat data:
 2. plain in batches: the same, submitted in batches of batch_size_samples one after another
    (the stage's unit), so that the cost of batching (each batch waits for its longest answer
    before the next is submitted) is told apart from the cost of the stage's own work;
-3. stage: the stage's loop, ``read_conversations`` and ``answer_batch`` per batch of
-   batch_size_samples, over the same conversations, only their first turns: each conversation's
-   plan is cut after its first answer (``plan[: plan.index(None) + 1]``) before answer_batch
-   sees it, so answer_batch runs unchanged (render, encode, a seeded SamplingParams per
-   conversation, one engine call, the answer decoded and split) and makes exactly one round,
-   over the prompts plain generation gets. Later rounds are left out: their prompts are the
-   verifier's own earlier answers, which plain generation could not be given without running
-   the stage first. Conversations with nothing to answer (a tool call before any answer) are
-   left out of all three.
+3. stage: the stage's own code, the conversations read (``read_conversations``, timed too) and
+   ``answer_batch`` called per batch of batch_size_samples, over the same conversations, only
+   their first turns: each conversation's plan is cut after its first answer
+   (``plan[: plan.index(None) + 1]``) before answer_batch sees it, so answer_batch runs
+   unchanged (render, encode, a seeded SamplingParams per conversation, one engine call, the
+   answer decoded and split) and makes exactly one round, over the prompts plain generation
+   gets. Later rounds are left out: their prompts hold the verifier's own earlier answers,
+   which plain generation could not be given without running the stage first. Conversations
+   with nothing to answer (a tool call before any answer) are left out of all three.
 
 A warm-up generates a few prompts both ways first (not timed; it also runs the template's
 probes). Each method is timed over ``--passes`` passes, the methods interleaved pass by pass,
