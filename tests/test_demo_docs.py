@@ -178,8 +178,10 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
                        "acceptance_histograms": hist, "per_prompt": {},
                        "acceptance_histograms_by_context": by_context},
             "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1.4, 1.6]},
+                      "acceptance_histograms": hist,
                       "acceptance_histograms_by_context": by_context},
         },
+        "sets": {"demo": {"num_prompts": 1, "eagle3": {}}, "humaneval": {"num_prompts": 1}},
     }  # fmt: skip
     code = code_now()
     assert set(code) == set(RUN_STAGES) and "demo" not in code  # the demo is held by its bytes
@@ -206,6 +208,10 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     assert "| variant | 0-256 | 256-512 | last / first |" in table(done)
     assert "| baseline | 3.000 | 3.667 | 1.22 |" in table(done)
     assert "| qwen3_layer | 3.000 +0.000 [+0.000, +0.000] | 3.667 +0.000" in table(done)
+    # per evaluation set: its prompts' rows pooled (prompt 0: 1 + 13 accepted / 6 steps)
+    assert "| variant | demo (1) | humaneval (1) |" in table(done)
+    assert "| baseline | 3.167 | 3.500 |" in table(done)
+    assert "| qwen3_layer | 3.167 +0.000 [+0.000, +0.000] | 3.500 +0.000" in table(done)
     done, stale = load_runs(tmp_path, code, {**build, "verifier": "w"})  # this build's verifier
     assert done == {} and len(stale) == 3
 
