@@ -215,8 +215,10 @@ if __name__ == "__main__":
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 3}
     settings = EngineSettings(use_gpus=False, dtype="float32", kv_cache_memory_bytes=1 << 28,
                                      max_model_len_tokens=256, enforce_eager=True)
-    llm = LLM(**engine.engine_args(settings, verifier, "float32", speculative_config=spec,
-                                   disable_log_stats=False))
+    kwargs = engine.engine_args(settings, verifier, "float32", disable_log_stats=False)
+    if "attention_backend" in kwargs:  # as the evaluate stage names it for the draft
+        spec["attention_backend"] = kwargs["attention_backend"]
+    llm = LLM(**kwargs, speculative_config=spec)
     outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)],
                         SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")

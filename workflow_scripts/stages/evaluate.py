@@ -63,9 +63,17 @@ def main() -> None:
     engine.check_devices(p, "evaluate", dtype=dtype, verifier=io.verifier)
     engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
     k = p.num_speculative_tokens
+    # vLLM selects a draft's attention backend anew: the one named for the verifier (the CPU's
+    # reference MLA backend, lib/verifier/engine.py) is named for the draft too
+    backend = {key: v for key, v in engine_args.items() if key == "attention_backend"}
     speculators = {
         "baseline": None,
-        "eagle3": {"method": "eagle3", "model": str(io.draft), "num_speculative_tokens": k},
+        "eagle3": {
+            "method": "eagle3",
+            "model": str(io.draft),
+            "num_speculative_tokens": k,
+            **backend,
+        },
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": k,

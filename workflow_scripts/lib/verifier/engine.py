@@ -153,8 +153,9 @@ def cpu_mla_backend(settings, verifier: Path | str, dtype: str) -> bool:
     """An MLA verifier on the CPU in float32 needs vLLM's reference MLA backend, named: where the
     CPU has AMX tiles vLLM picks its AMX MLA backend, which takes 16-bit weights only (start
     fails: "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"). The reference
-    backend is what vLLM picks on every other CPU, so the choice is the same on all of them; a
-    draft served beside the verifier gets the same backend."""
+    backend is what vLLM picks on every other CPU, so the choice is the same on all of them. vLLM
+    selects a draft's backend anew: the evaluate stage names this one in the draft's speculative
+    config too (an MLA draft failed to start on an AMX CPU without it)."""
     if settings.use_gpus or dtype != "float32":
         return False
     return verifier_files.uses_mla(verifier_files.verifier_config(verifier))
