@@ -188,7 +188,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # conversations, full attention
     "real_speculators_equal_steps": (
         "speculators 0.9's recipe at the baseline's steps and micro-batches",
-        {"train": {**SPECULATORS, "micro_batch_budget_tokens": 2048, "warmup_steps": 4}},
+        {"train": {**SPECULATORS, "micro_batch_budget_tokens": 4096, "warmup_steps": 2}},
     ),
     "real_fc_norm": (
         "train.fc_norm and train.norm_output: true (vLLM's EAGLE-3.1 norms, the per-layer form)",
