@@ -120,12 +120,15 @@ def shard_jobs(samples, shard_size: int, out: Path, meta: dict):
     return jobs
 
 
-def timed_passes(runs: dict, passes: int) -> dict[str, float]:
+def timed_passes(runs: dict, passes: int, reset=None) -> dict[str, float]:
     """Seconds of the best of ``passes`` runs of each of ``runs`` (name -> function), the runs
-    interleaved pass by pass (each pass printed)."""
+    interleaved pass by pass (each pass printed); ``reset``, where given, called before each
+    run (not timed)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(passes):
         for name, run in runs.items():
+            if reset is not None:
+                reset()
             start = time.monotonic()
             run()
             times[name].append(time.monotonic() - start)

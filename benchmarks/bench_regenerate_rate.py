@@ -56,6 +56,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_extract import timed_passes  # noqa: E402
 from workflow_scripts.lib.chat.template import ChatTemplate, load_template  # noqa: E402
 from workflow_scripts.lib.regeneration.answers import (  # noqa: E402
     Conversation,
@@ -166,22 +167,6 @@ def batches(items: list, size: int) -> list[list]:
     return [items[start : start + size] for start in range(0, len(items), size)]
 
 
-def timed_passes(runs: dict[str, Callable[[], RunResult]], passes: int, reset: Callable):
-    """(best seconds, last result) of each of ``runs`` (name -> function) over ``passes`` passes,
-    the runs interleaved pass by pass, ``reset`` called before each (not timed)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    results: dict[str, RunResult] = {}
-    for _ in range(passes):
-        for name, run in runs.items():
-            reset()
-            start = time.monotonic()
-            results[name] = run()
-            times[name].append(time.monotonic() - start)
-    for name, ts in times.items():
-        print(f"{name} passes (s): {' '.join(f'{t:.2f}' for t in ts)}", flush=True)
-    return {name: min(ts) for name, ts in times.items()}, results
-
-
 def differing(a: dict[int, list[int]], b: dict[int, list[int]]) -> int:
     return sum(a[key] != b.get(key) for key in a)
 
@@ -284,12 +269,18 @@ def run(
         warm = min(WARM_UP, len(prompts))
         llm.generate(prompts[:warm], params[:warm], use_tqdm=False)
         stage(warm)
-        runs: dict[str, Callable[[], RunResult]] = {
+        methods: dict[str, Callable[[], RunResult]] = {
             "plain": lambda: plain(len(prompts)),
             f"plain in batches of {B}": lambda: plain(B),
             "stage": stage,
         }
-        best, results = timed_passes(runs, args.passes, llm.reset_prefix_cache)
+        results: dict[str, RunResult] = {}  # each method's last run
+
+        def keeping(name: str, method: Callable[[], RunResult]) -> Callable[[], None]:
+            return lambda: results.__setitem__(name, method())
+
+        runs = {name: keeping(name, method) for name, method in methods.items()}
+        best = timed_passes(runs, args.passes, llm.reset_prefix_cache)
     finally:
         engine.close_llm(llm)
 
