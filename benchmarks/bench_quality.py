@@ -217,6 +217,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "prepare.max_seq_len_tokens: 512 (samples cut short, not whole conversations)",
         {"prepare": {"max_seq_len_tokens": 512}},
     ),
+    "real_epochs_10": (
+        "train.epochs: 10 (config.yaml's own length, five times the benchmark's 2)",
+        {"train": {"epochs": 10}},
+    ),
     "real_window": (
         "train.sliding_window_tokens: 512 (the draft attends to the 512 latest tokens)",
         {"train": {"sliding_window_tokens": 512}},
