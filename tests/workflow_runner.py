@@ -41,10 +41,19 @@ def copy_workflow(dst: Path, config: dict | None = None) -> Path:
     return dst
 
 
+def as_gpu_environment(workdir: Path) -> Path:
+    """The workflow copy in ``workdir`` takes the environment that runs it for one made from the
+    GPU lock, as on a GPU machine or a login node set up for one, so that it plans and runs GPU
+    jobs here (its dry-run refuses them in the CPU build's: lib/workflow/environment.py)."""
+    module = workdir / "workflow_scripts" / "lib" / "workflow" / "environment.py"
+    module.write_text(module.read_text() + "\n\ndef cpu_build() -> None:\n    return None\n")
+    return workdir
+
+
 def example_workflow(root: Path, example: Path, verifier: Path) -> tuple[Path, dict]:
     """A copy of the workflow in ``root``/wf running the example config ``example`` (a
-    config.*.yaml) against ``verifier`` (a stand-in), on four rows of chat data that are also
-    its evaluation prompts: (the copy, its config)."""
+    config.*.yaml, a GPU machine's: as_gpu_environment) against ``verifier`` (a stand-in), on
+    four rows of chat data that are also its evaluation prompts: (the copy, its config)."""
     chats = root / "chats.jsonl"
     row = {
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -52,7 +61,7 @@ def example_workflow(root: Path, example: Path, verifier: Path) -> tuple[Path, d
     chats.write_text((json.dumps(row) + "\n") * 4)
     config = yaml.safe_load(example.read_text())
     config.update(verifier=str(verifier), chat_data=str(chats), eval_prompts=str(chats))
-    return copy_workflow(root / "wf", config), config
+    return as_gpu_environment(copy_workflow(root / "wf", config)), config
 
 
 def write_config(workdir: Path, config: dict) -> None:
