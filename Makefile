@@ -1,7 +1,8 @@
 # The commands of README.md: `make venv` sets up a machine, `make demo` builds the embedded
 # default end to end, `make test` runs the suite; each sets up its environment first. On a CPU
 # (the default): .venv from envs/requirements-cpu.lock. On a Linux x86-64 machine with NVIDIA
-# GPUs, GPU=1: .venv-gpu from envs/requirements-gpu.lock (`make venv GPU=1`, `make test GPU=1`).
+# GPUs, GPU=1: .venv-gpu from envs/requirements-gpu.lock (`make venv GPU=1`), the embedded default
+# on one GPU (`make demo GPU=1`) and the suite's GPU tier (`make test GPU=1`: pytest -m gpu).
 GPU ?=
 ifeq ($(GPU),1)
 VENV ?= .venv-gpu
@@ -13,6 +14,11 @@ else
 $(error GPU=$(GPU): give GPU=1 on a machine with NVIDIA GPUs, or leave GPU out on a CPU)
 endif
 PY := $(VENV)/bin/python
+# GPU=1: the embedded default on one GPU (config.demo-gpu.yaml), and the suite's GPU tier
+ifeq ($(GPU),1)
+DEMO_ARGS := --configfile config.demo-gpu.yaml --resources gpu=1
+TEST_ARGS := -m gpu
+endif
 # The Python an environment is made with: one of PYTHONS, the versions both locks are resolved and
 # checked for (vLLM 0.32 needs 3.11 or newer, so Ubuntu 22.04's 3.10 cannot run it).
 PYTHON ?= python3
@@ -66,10 +72,10 @@ $(VENV)/.installed: $(LOCK) $(DATA_PACKAGES)
 	touch $@
 
 demo: venv
-	$(VENV)/bin/snakemake --cores $(CORES) $(TARGET)
+	$(VENV)/bin/snakemake --cores $(CORES) $(strip $(DEMO_ARGS) $(TARGET))
 
 test: venv
-	$(VENV)/bin/pytest
+	$(strip $(VENV)/bin/pytest $(TEST_ARGS))
 
 lint: venv
 	$(VENV)/bin/snakemake --lint

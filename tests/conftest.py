@@ -309,6 +309,8 @@ TIERS = {
     "workflow": "runs Snakemake on a copy of the workflow (pipeline, staleness, SLURM)",
     "slow": "an engine or workflow test, or one that needs a session build (minutes); "
     "-m 'not slow' runs the unit tier",
+    "gpu": "runs on an NVIDIA GPU with vLLM's CUDA build, skipped elsewhere; `make test GPU=1` "
+    "runs this tier alone",
 }
 
 

@@ -191,7 +191,21 @@ def test_make_installs_a_lock_into_a_new_environment_or_its_own(tmp_path, gpu, l
         assert proc.returncode == 0, proc.stderr
         assert f"pip install --quiet --no-deps -r envs/requirements-{lock}.lock" in proc.stdout
         assert f"echo envs/requirements-{lock}.lock > {venv}/.lock" in proc.stdout
-        assert proc.stdout.rstrip().endswith(f"{venv}/bin/pytest")
+        assert proc.stdout.rstrip().endswith(
+            f"{venv}/bin/pytest" + (" -m gpu" if lock == "gpu" else "")
+        )
+
+
+def test_make_demo_with_gpu_1_builds_the_embedded_default_on_one_gpu(tmp_path):
+    proc = make("demo", "GPU=1", f"VENV={tmp_path / 'env'}")
+    assert proc.stdout.rstrip().endswith(
+        "snakemake --cores all --configfile config.demo-gpu.yaml --resources gpu=1 draft_ckpt"
+    )
+    assert (
+        make("demo", f"VENV={tmp_path / 'env'}")
+        .stdout.rstrip()
+        .endswith("snakemake --cores all draft_ckpt")
+    )
 
 
 def test_an_environment_made_before_the_gpu_lock_holds_the_cpu_lock(tmp_path):
