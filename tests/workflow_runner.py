@@ -128,10 +128,14 @@ def dry_run_in_process(
     this process (a tenth of a second instead of the seconds a new Snakemake process takes):
     (the error that stopped it, or None; everything it wrote). ``set_resources``: by rule, as
     --set-resources or a profile's set-resources give them. ``printshellcmds``: as -p, each
-    job's command too."""
+    job's command too. Its environment is taken for one made from the GPU lock, as
+    as_gpu_environment does for a copy run in its own process, so that GPU configs plan here."""
     import contextlib
     import io
     import tempfile
+    from unittest import mock
+
+    from workflow_scripts.lib.workflow import environment
 
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import (
@@ -148,7 +152,11 @@ def dry_run_in_process(
         out = io.StringIO()
         error = None
         try:
-            with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            with (
+                contextlib.redirect_stderr(out),
+                contextlib.redirect_stdout(out),
+                mock.patch.object(environment, "cpu_build", lambda: None),
+            ):
                 with SnakemakeApi(OutputSettings(printshellcmds=printshellcmds)) as api:
                     workflow = api.workflow(
                         resource_settings=ResourceSettings(
