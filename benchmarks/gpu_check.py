@@ -1,6 +1,6 @@
 """The parts of benchmarks/gpu_check.sh, each bounded in time, and the one file they write.
 
-    python benchmarks/gpu_check.py run OUT [--small] [--deadline EPOCH_S] [--install NOTE]
+    python benchmarks/gpu_check.py run OUT [--small] [--lent] [--deadline EPOCH_S] [--install NOTE]
     python benchmarks/gpu_check.py env                                    # versions, devices
     python benchmarks/gpu_check.py prepare DIR [--small] [--verifier llama|mla]
     python benchmarks/gpu_check.py fp8 [--small]
@@ -23,12 +23,17 @@ every command's output to OUT/gpu_check.log.
                         7168, 64 heads, kv_lora_rank 512, q_lora_rank 1536, vocabulary 163840),
                         from float8 shards of 4096-token samples (the checkpoint is vLLM's
                         Eagle3DeepseekV2ForCausalLM)
+    extract_transformers  the transformers backend's extraction of a stand-in Llama verifier
+                        (hidden 2048, 16 layers, random weights, bf16) on the GPU against plain
+                        prefill of the same 16 samples of 4096 tokens: tokens/s, their ratio
     disk_budget_beside  the workflow itself (Snakemake, real vLLM) on the embedded default's
                         demo verifier with extract.disk_budget and float8 shards: training runs
                         the engine on a GPU of its own (with one GPU, training on the CPU) and
                         the hidden states on disk never pass the budget
     disk_budget_shared  the same with extract.share_training_gpus: the engine on training's GPU
-    bench_train_memory  benchmarks/bench_train_memory.py, with the time left
+    bench_train_memory  benchmarks/bench_train_memory.py, with the time left: a draft for an 8B
+                        verifier at 8k and 32k tokens, 1 and 3 TTT steps (peak GPU memory
+                        measured, seconds a step)
 
 The training parts write only the verifier's embedding, final norm and lm_head (all training
 reads). Their hidden states are random but learnable: the final state is a fixed mixture of the
@@ -301,6 +306,62 @@ def fp8(small: bool) -> dict[str, Any]:
     }
 
 
+def extract_transformers(small: bool) -> dict[str, Any]:
+    """The transformers backend's extraction (TransformersExtractor.states: the auxiliary and
+    final states of each sample, copied to host memory) of a stand-in Llama verifier of random
+    weights, against plain prefill (the same decoder's forward) of the same samples, on the GPU:
+    tokens/s of each, their ratio, peak GPU memory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workflow_scripts.lib.hidden_states.transformers_backend import TransformersExtractor
+
+    gpu = torch.cuda.is_available() and not small
+    s = (dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, tokens=256, samples=4)
+         if small else dict(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632,
+                            tokens=4096, samples=16))  # fmt: skip
+    dtype = torch.bfloat16 if gpu else torch.float32
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], intermediate_size=s["intermediate"], vocab_size=32000,
+        max_position_embeddings=s["tokens"], tie_word_embeddings=False,
+    )  # fmt: skip
+    verifier = Path(tempfile.mkdtemp(prefix="gpu_check-verifier-"))
+    LlamaForCausalLM(config).to(dtype).save_pretrained(verifier)
+    aux_ids = [2, s["layers"] // 2, s["layers"] - 3]
+    extractor = TransformersExtractor(verifier, dtype, aux_ids, use_gpus=gpu)
+    samples = [torch.randint(0, 32000, (s["tokens"],)) for _ in range(s["samples"])]
+
+    def timed(one) -> float:
+        one(samples[0])  # warm-up
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for ids in samples:
+            one(ids)
+        if gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        prefill_s = timed(lambda ids: extractor.base(input_ids=ids[None].to(extractor.device)))
+    extract_s = timed(extractor.states)
+    tokens = s["tokens"] * s["samples"]
+    shutil.rmtree(verifier, ignore_errors=True)
+    return {
+        "device": "cuda" if gpu else "cpu",
+        "verifier": {k: s[k] for k in ("hidden", "layers", "heads", "kv_heads")},
+        "dtype": str(dtype).removeprefix("torch."),
+        "samples": s["samples"],
+        "tokens_per_sample": s["tokens"],
+        "prefill_tokens_per_s": round(tokens / prefill_s),
+        "extract_tokens_per_s": round(tokens / extract_s),
+        "extract_over_prefill": round(prefill_s / extract_s, 3),
+        "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20) if gpu else None,
+    }
+
+
 def environment() -> dict[str, Any]:
     """This interpreter's versions and devices."""
     import importlib.metadata as md
@@ -433,8 +494,8 @@ class Part(NamedTuple):
 
 
 class Check:
-    def __init__(self, out: Path, small: bool, deadline: float, install: str):
-        self.out, self.small, self.deadline = out, small, deadline
+    def __init__(self, out: Path, small: bool, deadline: float, install: str, lent: bool = False):
+        self.out, self.small, self.deadline, self.lent = out, small, deadline, lent
         self.py = sys.executable
         self.work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
         self.log = out / "gpu_check.log"
@@ -503,6 +564,8 @@ class Check:
         if absent:
             return f"{', '.join(absent)} not importable in {self.py}"
         if part.engine:
+            if self.lent:
+                return "--lent: a lent machine's image has neither vLLM nor Snakemake"
             if not (Path(self.py).parent / "snakemake").exists():
                 return f"no snakemake beside {self.py}"
             if not self.small and "vllm" not in self.env.get("versions", {}):
@@ -795,10 +858,15 @@ def part_shared(c: Check) -> dict[str, Any]:
     return figures
 
 
+def part_extract_transformers(c: Check) -> dict[str, Any]:
+    return c.python("extract_transformers", *small_flag(c), title="extract_transformers")
+
+
 def part_bench(c: Check) -> dict[str, Any]:
-    args = (["--tokens", "256", "512", "--steps", "1", "3", "--draft-vocab", "2048"] if c.small
-            else ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "2048", "4096", "8192",
-                  "--steps", "1", "7"])  # fmt: skip
+    args = (["--tokens", "256", "512", "--steps", "1", "3", "--draft-vocab", "2048", "--no-dense"]
+            if c.small
+            else ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "8192", "32768",
+                  "--steps", "1", "3", "--no-dense"])  # fmt: skip
     text = c.sh([c.py, str(ROOT / "benchmarks" / "bench_train_memory.py"), *args], "bench")
     return {"output": text.strip().splitlines()}
 
@@ -809,6 +877,7 @@ PARTS = [
     Part("train_torchrun", part_train, 150, 300, TRAINING),
     Part("draft_layers_2", part_layers, 100, 300, TRAINING),
     Part("mla_draft", part_mla, 150, 300, TRAINING),
+    Part("extract_transformers", part_extract_transformers, 90, 120, ("torch", "transformers")),
     Part("disk_budget_beside", part_beside, 200, 420, (*TRAINING, "vllm", "yaml"), engine=True),
     Part("disk_budget_shared", part_shared, 150, 300, (*TRAINING, "vllm", "yaml"), engine=True),
     Part("bench_train_memory", part_bench, 600, 300, ("torch",)),
@@ -817,21 +886,26 @@ PARTS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", choices=["run", "env", "prepare", "fp8"])
+    ap.add_argument("what", choices=["run", "env", "prepare", "fp8", "extract_transformers"])
     ap.add_argument("path", type=Path, nargs="?")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--verifier", choices=["llama", "mla"], default="llama")
     ap.add_argument("--deadline", type=float, help="run: the time (epoch seconds) to end by")
     ap.add_argument("--install", default="", help="run: how the interpreter was installed")
+    ap.add_argument(
+        "--lent", action="store_true", help="run: as on a lent machine, no engine parts"
+    )
     a = ap.parse_args()
     if a.what == "run":
         a.path.mkdir(parents=True, exist_ok=True)
         deadline = a.deadline if a.deadline is not None else time.time() + 480
-        sys.exit(Check(a.path, a.small, deadline, a.install).run(PARTS))
+        sys.exit(Check(a.path, a.small, deadline, a.install, a.lent).run(PARTS))
     elif a.what == "env":
         print(json.dumps(environment()))
     elif a.what == "prepare":
         print(json.dumps(prepare(a.path, a.small, a.verifier)))
+    elif a.what == "extract_transformers":
+        print(json.dumps(extract_transformers(a.small)))
     else:
         print(json.dumps(fp8(a.small)))
 

