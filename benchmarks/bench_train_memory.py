@@ -53,6 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--full-width", action="store_true", help="hidden 4096 (default on cuda)")
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        help="another verifier's draft: this hidden size, heads of 128, 8 key/value heads, MLP "
+        "3.5x (8192: a 70B verifier's; 7168: Kimi-K2's as a Llama layer)",
+    )
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--no-dense", action="store_true", help="skip the dense reference")
     ap.add_argument(
@@ -98,7 +104,7 @@ def run_case(case: dict) -> dict:
             head_dim=shape["head_dim"],
             vocab_size=K,
             rms_norm_eps=1e-5,
-            max_position_embeddings=16384,
+            max_position_embeddings=max(16384, n),
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         )
     )
@@ -220,8 +226,11 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_case(json.loads(args.child))))
         return
-    full = args.full_width or args.device == "cuda"
+    full = args.full_width or args.device == "cuda" or args.hidden is not None
     shape = LARGE if full else SCALED
+    if args.hidden is not None:
+        H = args.hidden
+        shape = dict(hidden=H, heads=H // 128, kv_heads=8, head_dim=128, intermediate=7 * H // 2)
     print(
         f"draft: hidden {shape['hidden']}, {shape['heads']} heads, {shape['kv_heads']} key/value "
         f"heads of {shape['head_dim']}, MLP {shape['intermediate']}, draft vocabulary "
