@@ -1,0 +1,95 @@
+"""The trained draft served by vLLM on prompts of its own training data, beside what the evaluation
+served on held-out prompts and what training simulated: where served and simulated acceptance
+part, this tells serving (the same low figure on training prompts) from generalization (a high
+one there, a low one on prompts of other tasks).
+
+    python benchmarks/bench_served_on_train.py RESULTS_DIR [--prompts 24] [--max-new-tokens 256]
+
+RESULTS_DIR is a built results_dir (its draft, verifier and chat data): the prompts are the first
+user turn (with the system turn before it) of every n-th conversation of the chat data training
+took (the regenerated one where regeneration ran), greedy, k = evaluate.num_speculative_tokens of
+its resolved config. Most of them were trained on (the held-out split is train.validation_fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def first_turns(chat_data: Path, count: int) -> list[list[dict]]:
+    rows = [json.loads(line) for line in chat_data.open()]
+    picked = []
+    for row in rows[:: max(1, len(rows) // count)][:count]:
+        messages = []
+        for m in row["messages"]:
+            messages.append({"role": m["role"], "content": m["content"]})
+            if m["role"] == "user":
+                break
+        picked.append(messages)
+    return picked
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("results_dir", type=Path)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    a = ap.parse_args()
+
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from workflow_scripts.lib.evaluation.acceptance import _counter
+    from workflow_scripts.lib.verifier.engine import make_llm
+
+    resolved = yaml.safe_load((a.results_dir / "config.resolved.yaml").read_text())
+    k = resolved["evaluate"]["num_speculative_tokens"]
+    verifier = Path(resolved.get("verifier") or a.results_dir / "demo" / "verifier")
+    regenerated = a.results_dir / "regenerate" / "chat_data.jsonl"
+    chat_data = regenerated if regenerated.exists() else a.results_dir / "data" / "chat_data.jsonl"
+    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    prompts = []
+    for messages in first_turns(chat_data, a.prompts):
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        prompts.append({"prompt_token_ids": list(rendered["input_ids"])})
+    draft = a.results_dir / "train" / "draft"
+    speculative = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
+    llm = make_llm(
+        dict(model=str(verifier), dtype="float32", max_model_len=4096, gpu_memory_utilization=0.3,
+             kv_cache_memory_bytes=1 << 30, enforce_eager=True, seed=0, disable_log_stats=False,
+             speculative_config=speculative),
+        use_gpus=False,
+    )  # fmt: skip
+    before = llm.get_metrics()
+    start = time.perf_counter()
+    llm.generate(
+        prompts, SamplingParams(max_tokens=a.max_new_tokens, temperature=0), use_tqdm=False
+    )
+    after = llm.get_metrics()
+    drafts, accepted = (
+        _counter(after, f"vllm:spec_decode_num_{n}") - _counter(before, f"vllm:spec_decode_num_{n}")
+        for n in ("drafts", "accepted_tokens")
+    )
+    evaluated = json.loads((a.results_dir / "evaluate" / "results.json").read_text())["summary"]
+    print(json.dumps({
+        "training_prompts": len(prompts),
+        "served_on_training_prompts": round(1 + accepted / drafts, 3),
+        "served_on_held_out_prompts": round(evaluated["eagle3_mean_acceptance_length"], 3),
+        "simulated_on_held_out_split": evaluated["eagle3_simulated_acceptance_length"],
+        "seconds": round(time.perf_counter() - start),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
