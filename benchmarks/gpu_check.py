@@ -863,7 +863,7 @@ def part_extract_transformers(c: Check) -> dict[str, Any]:
 
 
 def part_bench(c: Check) -> dict[str, Any]:
-    args = (["--tokens", "256", "512", "--steps", "1", "3", "--draft-vocab", "2048", "--no-dense"]
+    args = (["--tokens", "256", "512", "--steps", "1", "--draft-vocab", "2048", "--no-dense"]
             if c.small
             else ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "8192", "32768",
                   "--steps", "1", "3", "--no-dense"])  # fmt: skip

@@ -440,6 +440,7 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
     settings = yaml.safe_load((profile / "config.yaml").read_text())
     settings["set-resources"]["train"] = TRAIN_ON_CPU
     settings["set-threads"] = {"train": 1}
+    settings["retries"] = 0  # the profile's retries would resubmit the job: this is the rerun
     (profile / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     draft = workdir / "results" / "train" / "draft" / "model.safetensors"
     train_log = workdir / "results" / "logs" / "train.log"
@@ -518,6 +519,7 @@ def test_extraction_with_the_verifier_over_two_nodes_gives_one_nodes_states_and_
     profile = merged_profile(tmp_path / "profile")
     settings = yaml.safe_load((profile / "config.yaml").read_text())
     settings["set-resources"]["extract"] = ENGINE_ON_CPU
+    settings["retries"] = 0  # the profile's retries would resubmit the job: this is the rerun
     (profile / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     shards = workdir / "results" / "extract" / "shards"
     shutil.rmtree(shards)
