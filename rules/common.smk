@@ -19,11 +19,10 @@ sys.path.insert(0, str(WORKFLOW_DIR))
 from workflow_scripts.lib.common import UserError, atomic_path
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
 from workflow_scripts.lib.training import init_from
-from workflow_scripts.lib.verifier import cluster, preflight
+from workflow_scripts.lib.verifier import cluster, environment, preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config
 from workflow_scripts.lib.workflow import cli as _cli
-from workflow_scripts.lib.workflow import environment
 from workflow_scripts.lib.workflow import nodes as _nodes
 from workflow_scripts.lib.workflow.code_inputs import (
     closure,
@@ -323,7 +322,7 @@ PYTHON = (
     else shlex.quote(sys.executable)
 )
 # The GPU jobs against that environment, when it is Snakemake's own: its CPU build would be
-# refused by each GPU job only once it started (lib/workflow/environment.py).
+# refused by each GPU job only once it started (lib/verifier/environment.py).
 if PYTHON != "python":
     _errors, _later = preflight.by_targets(
         environment.gpu_build_problems(

