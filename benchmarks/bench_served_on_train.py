@@ -7,8 +7,8 @@ one there, a low one on prompts of other tasks).
 
 RESULTS_DIR is a built results_dir (its draft, verifier and chat data): the prompts are the first
 user turn (with the system turn before it) of every n-th conversation of the chat data training
-took (the regenerated one where regeneration ran), greedy, k = evaluate.num_speculative_tokens of
-its resolved config. Most of them were trained on (the held-out split is train.validation_fraction).
+took (the regenerated one where regeneration ran), greedy, served by an engine made as the evaluate
+stage makes it from the run's resolved config (k = evaluate.num_speculative_tokens). Most of them were trained on (the held-out split is train.validation_fraction).
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def main() -> None:
     from vllm import SamplingParams
 
     from workflow_scripts.lib.evaluation.acceptance import _counter
-    from workflow_scripts.lib.verifier.engine import make_llm
+    from workflow_scripts.lib.verifier import engine, preflight
+    from workflow_scripts.lib.verifier.files import verifier_config
+    from workflow_scripts.lib.workflow.definitions import EvaluateParams
 
     resolved = yaml.safe_load((a.results_dir / "config.resolved.yaml").read_text())
-    k = resolved["evaluate"]["num_speculative_tokens"]
+    p = EvaluateParams.model_validate(resolved["evaluate"])  # the settings evaluate ran with
     verifier = Path(resolved.get("verifier") or a.results_dir / "demo" / "verifier")
     regenerated = a.results_dir / "regenerate" / "chat_data.jsonl"
     chat_data = regenerated if regenerated.exists() else a.results_dir / "data" / "chat_data.jsonl"
@@ -63,14 +65,17 @@ def main() -> None:
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )
         prompts.append({"prompt_token_ids": list(rendered["input_ids"])})
-    draft = a.results_dir / "train" / "draft"
-    speculative = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
-    llm = make_llm(
-        dict(model=str(verifier), dtype="float32", max_model_len=4096, gpu_memory_utilization=0.3,
-             kv_cache_memory_bytes=1 << 30, enforce_eager=True, seed=0, disable_log_stats=False,
-             speculative_config=speculative),
-        use_gpus=False,
-    )  # fmt: skip
+    # the engine as the evaluate stage makes it, from the run's own evaluate settings
+    dtype = preflight.check_evaluate(p, verifier_config(verifier))
+    kwargs = engine.engine_args(p, verifier, dtype, disable_log_stats=False)
+    backend = {key: v for key, v in kwargs.items() if key == "attention_backend"}
+    kwargs["speculative_config"] = {
+        "method": "eagle3",
+        "model": str(a.results_dir / "train" / "draft"),
+        "num_speculative_tokens": p.num_speculative_tokens,
+        **backend,
+    }
+    llm = engine.make_llm(kwargs, use_gpus=p.use_gpus)
     before = llm.get_metrics()
     start = time.perf_counter()
     llm.generate(
