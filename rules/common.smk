@@ -27,6 +27,8 @@ from workflow_scripts.lib.workflow import nodes as _nodes
 from workflow_scripts.lib.workflow.code_inputs import (
     closure,
     closure_files,
+    installed_versions,
+    locked_versions,
     shard_code_fingerprint,
     stage_fingerprint,
 )
@@ -216,35 +218,56 @@ if workflow.is_main_process:
 # ---- end of the run's estimate
 
 
+# The versions of the packages that compute the stages' outputs (registry.py: Stage.packages),
+# as the jobs will run them: the installed ones where the jobs run Snakemake's own Python, the
+# lock's pins under --sdm conda (envs/workflow-gpu.yaml installs the GPU lock).
+JOB_VERSIONS = None
+if DeploymentMethod.CONDA in set(workflow.deployment_settings.deployment_method):
+    _lock = (
+        "requirements-gpu.lock"
+        if any(preflight.gpu_asks(CFG).values())
+        else "requirements-cpu.lock"
+    )
+    JOB_VERSIONS = locked_versions(WORKFLOW_DIR / "envs" / _lock)
+
+
 def stage_code(stage):
-    """The fingerprint of the code the stage runs (lib/workflow/code_inputs.py: the modules of
-    its entry script's import closure, without comments, docstrings and other stages' typed
-    settings), as a file named by it: an input of the stage's rules, so that an edit that changes
-    it reruns the stage and what follows (a new file: Snakemake's input and mtime triggers) and
-    no other edit does. A file once written is never rewritten, so that code edited and then
-    restored reruns nothing; it is dated as its newest module, not when it was first seen, so
-    that outputs made after that code are not older than it."""
-    fingerprint = stage_fingerprint(stage, WORKFLOW_DIR)
+    """The fingerprint of what computes the stage's outputs (lib/workflow/code_inputs.py: the
+    modules of its entry script's import closure, without comments, docstrings, messages and
+    other stages' typed settings, and the versions of its packages), as a file named by it: an
+    input of the stage's rules, so that a change to it reruns the stage and what follows (a new
+    file: Snakemake's input and mtime triggers) and no other edit does. A file once written is
+    never rewritten, so that code edited and then restored reruns nothing; it is dated as its
+    newest module, not when it was first seen, so that outputs made after that code are not
+    older than it."""
+    fingerprint = stage_fingerprint(stage, WORKFLOW_DIR, JOB_VERSIONS)
     path = RESULTS / "code" / f"{stage}-{fingerprint[:16]}.json"
     if not path.exists():
-        modules = closure(STAGES[stage].module, WORKFLOW_DIR)
-        record = {"stage": stage, "fingerprint": fingerprint, "modules": list(modules)}
-        newest = max(p.stat().st_mtime for p in closure_files(STAGES[stage].module, WORKFLOW_DIR))
+        spec = STAGES[stage]
+        modules = closure(spec.module, WORKFLOW_DIR)
+        versions = JOB_VERSIONS if JOB_VERSIONS is not None else installed_versions(spec.packages)
+        record = {
+            "stage": stage,
+            "fingerprint": fingerprint,
+            "versions": {p: versions[p] for p in spec.packages if p in versions},
+            "modules": list(modules),
+        }
+        newest = max(p.stat().st_mtime for p in closure_files(spec.module, WORKFLOW_DIR))
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(record, indent=1) + "\n")
             os.utime(tmp, (newest, newest))
     return str(path)
 
 
-# What a change of the code that computes hidden states will cost, said before anything runs:
-# shards made by other code are computed again (their fingerprints hold the code's).
+# What a change of the code or the vLLM that computes hidden states will cost, said before
+# anything runs: shards made by other code are computed again (their fingerprints hold it).
 _manifest = RESULTS / "extract" / "manifest.json"
 if workflow.is_main_process and _manifest.exists():
     _made = json.loads(_manifest.read_text())
-    if _made.get("made_by", {}).get("code") != shard_code_fingerprint(WORKFLOW_DIR):
+    if _made.get("made_by", {}).get("code") != shard_code_fingerprint(WORKFLOW_DIR, JOB_VERSIONS):
         logger.warning(
-            f"Warning: the code that computes hidden states changed since the shards of "
-            f"{_manifest} were made: when extraction runs, it computes all "
+            f"Warning: the code or the vLLM that computes hidden states changed since the shards "
+            f"of {_manifest} were made: when extraction runs, it computes all "
             f"{len(_made['shards'])} of them again ({_made['bytes'] / 1e9:.3g} GB). To keep "
             "them instead: docs/gpu-and-slurm.md#after-an-upgrade"
         )

