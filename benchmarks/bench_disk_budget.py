@@ -36,6 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from workflow_scripts.lib.hidden_states.stream import used_bytes  # noqa: E402
+from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 ENGINE_SHARD = re.compile(r"shard -?\d+ done: \d+ samples, (\d+) tokens")
 
@@ -99,7 +100,7 @@ def run(args, label: str, fraction: float | None, whole: int) -> dict:
     # a fresh run: no shard of another run, no training state to resume
     for path in ("extract/shards", "extract/stream", "extract/parts", "train"):
         shutil.rmtree(results / path, ignore_errors=True)
-    (results / "extract" / "manifest.json").unlink(missing_ok=True)
+    (Layout(results).extract.manifest).unlink(missing_ok=True)
     directory = results / "extract" / ("shards" if fraction is None else "stream")
     sampler = Sampler(directory)
     sampler.start()
@@ -111,11 +112,11 @@ def run(args, label: str, fraction: float | None, whole: int) -> dict:
     sampler.join()
     wall -= stage_seconds(results, "evaluate.tsv")
     if fraction is None:
-        tokens = json.loads((results / "extract" / "manifest.json").read_text())["num_tokens"]
+        tokens = json.loads((Layout(results).extract.manifest).read_text())["num_tokens"]
     else:
         text = (results / "train" / "state" / "engine.log").read_text()
         tokens = sum(int(n) for n in ENGINE_SHARD.findall(text))
-    summary = json.loads((results / "evaluate" / "results.json").read_text())["summary"]
+    summary = json.loads((Layout(results).evaluate.results).read_text())["summary"]
     row = {
         "label": label,
         "budget_bytes": None if fraction is None else int(fraction * whole),
@@ -167,7 +168,7 @@ def main() -> None:
 
     shared = args.workdir / "bench-shared.yaml"
     shared.write_text(yaml.safe_dump({"extract": {"shard_size_samples": args.shard_size}}))
-    stream_plan = args.workdir / args.results_dir / "extract" / "stream_plan.json"
+    stream_plan = Layout(args.workdir / args.results_dir).extract.stream_plan
     snakemake(
         args.workdir,
         [args.configfile, shared],

@@ -52,6 +52,9 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from workflow_scripts.lib.workflow.layout import METRICS, RESULTS, Layout  # noqa: E402
+
 KEPT = ROOT / "benchmarks" / "results" / "quality"
 SEEDS = (0, 1, 2)
 # A kept run counts for this checkout when the code of the stages that compute from the chat
@@ -418,14 +421,14 @@ def run_once(
     results_dir = results_dir_of(workdir, configfile)
     # the run's evaluation is made afresh: a run stopped during training leaves the last run's
     # results.json, which Snakemake would take as this run's without training its draft
-    (results_dir / "evaluate" / "results.json").unlink(missing_ok=True)
+    (Layout(results_dir).evaluate.results).unlink(missing_ok=True)
     start = time.monotonic()
     snakemake_run(workdir, configfile, override, "evaluate", cores, lanes, name)
     tmp = out.with_name(f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shutil.copy(results_dir / "evaluate" / "results.json", tmp / "results.json")
-    shutil.copy(results_dir / "train" / "metrics.jsonl", tmp / "metrics.jsonl")
+    shutil.copy(Layout(results_dir).evaluate.results, tmp / RESULTS)
+    shutil.copy(Layout(results_dir).train.metrics, tmp / METRICS)
     (tmp / "wall_s").write_text(f"{time.monotonic() - start:.0f}\n")
     # what a run of a train setting costs (the first run's wall time includes the stages before)
     stages_s = sum(stage_seconds(results_dir, rule) for rule in ("train", "evaluate"))
@@ -446,7 +449,7 @@ def run_once(
     }
     kept.mkdir(parents=True, exist_ok=True)
     path = kept / f"{name}.json"
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / RESULTS).read_text())
     path.with_suffix(".tmp").write_text(json.dumps(record(results, **facts), indent=1) + "\n")
     path.with_suffix(".tmp").rename(path)
     print(f"[{name}] done in {time.monotonic() - start:.0f}s", flush=True)
@@ -465,7 +468,7 @@ def run_all(
     """The runs ``todo`` in order, ``lanes`` at a time; the first alone in ``workdir`` when no
     run was done there yet (it builds the stages every run shares), then the copies."""
     bench = workdir / "bench"
-    if todo and not any(bench.glob("*@*/results.json")):
+    if todo and not any(bench.glob(f"*@*/{RESULTS}")):
         run_once(workdir, bench, kept, code, configfile, *todo.pop(0), cores, 1)
     if not todo:
         return

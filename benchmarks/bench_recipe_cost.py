@@ -36,6 +36,7 @@ from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
+from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 
 def train_only(name: str) -> bool:
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
 
     config = yaml.safe_load(args.configfile.read_text())
     results = args.workdir / config.get("results_dir", "results")
-    if not (results / "extract" / "manifest.json").is_file():
+    if not (Layout(results).extract.manifest).is_file():
         raise SystemExit(f"no quality build in {args.workdir}: run benchmarks/bench_quality.py")
     base = quality_train_settings(args.configfile)
     names = ["baseline", *args.only]
@@ -74,8 +75,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             io = scratch_io(
-                results / "extract" / "manifest.json",
-                results / "vocab" / "vocab_map.safetensors",
+                Layout(results).extract.manifest,
+                Layout(results).vocab.vocab_map,
                 results / "demo" / "verifier",
                 Path(tmp) / name,
             )

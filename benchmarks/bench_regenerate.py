@@ -27,6 +27,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from workflow_scripts.lib.workflow.layout import STATS, Layout  # noqa: E402
 
 
 def snakemake(workdir: Path, configs: list[Path], cores: int) -> float:
@@ -104,7 +106,7 @@ def main() -> None:
     original = assistant_turns(demo / "chat_data.jsonl")
     rows = []
     for name, path in variants.items():
-        res = json.loads((path / "results" / "evaluate" / "results.json").read_text())
+        res = json.loads((Layout(path / "results").evaluate.results).read_text())
         runs = res["runs"]
         sampled = next((k for k in runs if k.startswith("eagle3@")), None)
         row = {
@@ -117,7 +119,7 @@ def main() -> None:
         if (regen / "chat_data.jsonl").exists():
             turns = assistant_turns(regen / "chat_data.jsonl")
             pairs = [(a, b) for x, y in zip(original, turns) for a, b in zip(x, y)]
-            stats = json.loads((regen / "stats.json").read_text())
+            stats = json.loads((regen / STATS).read_text())
             row["answers_changed"] = sum(a != b for a, b in pairs) / len(pairs)
             row["regenerate_s"] = max(stats["job_seconds"])
             row["generated_tokens"] = stats["generated_tokens"]

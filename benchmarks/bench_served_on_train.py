@@ -23,6 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 
 def first_turns(chat_data: Path, count: int) -> list[list[dict]]:
@@ -86,7 +87,7 @@ def main() -> None:
         _counter(after, f"vllm:spec_decode_num_{n}") - _counter(before, f"vllm:spec_decode_num_{n}")
         for n in ("drafts", "accepted_tokens")
     )
-    evaluated = json.loads((a.results_dir / "evaluate" / "results.json").read_text())["summary"]
+    evaluated = json.loads((Layout(a.results_dir).evaluate.results).read_text())["summary"]
     print(json.dumps({
         "training_prompts": len(prompts),
         "served_on_training_prompts": round(1 + accepted / drafts, 3),

@@ -40,6 +40,7 @@ from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
 from workflow_scripts.lib.verifier.files import identity as verifier_identity  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
 from workflow_scripts.lib.workflow.registry import TrainIO  # noqa: E402
+from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, Layout
 
 
 def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1024, k=512):
@@ -108,13 +109,13 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
         "num_tokens": sum(e["num_tokens"] for e in entries),
         "shards": entries,
     }
-    (extract / "manifest.json").write_text(json.dumps(record))
+    (extract / MANIFEST).write_text(json.dumps(record))
     selected = torch.arange(k)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[selected] = True
     vocab_map = root / "vocab_map.safetensors"
     save_file({"d2t": selected - torch.arange(k), "t2d": t2d}, str(vocab_map))
-    return extract / "manifest.json", vocab_map, verifier
+    return extract / MANIFEST, vocab_map, verifier
 
 
 def scratch_io(manifest: Path, vocab_map: Path, verifier: Path, root: Path) -> TrainIO:
@@ -126,7 +127,7 @@ def scratch_io(manifest: Path, vocab_map: Path, verifier: Path, root: Path) -> T
         verifier=verifier,
         state_dir=root / "state",
         draft=root / "draft",
-        metrics=root / "metrics.jsonl",
+        metrics=root / METRICS,
     )
 
 
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--manifest", type=Path, default=ROOT / "results/extract/manifest.json")
+    parser.add_argument("--manifest", type=Path, default=Layout(ROOT / "results").extract.manifest)
     parser.add_argument(
         "--vocab-map", type=Path, default=ROOT / "results/vocab/vocab_map.safetensors"
     )

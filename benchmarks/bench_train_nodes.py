@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from workflow_scripts.lib.training.processes import THREAD_VARIABLES  # noqa: E402
 from workflow_scripts.lib.workflow import cli  # noqa: E402
 from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
+from workflow_scripts.lib.workflow.layout import METRICS, Layout  # noqa: E402
 
 WARMUP_STEPS = 3  # left out of tokens/s: the first steps also build caches
 
@@ -52,13 +53,13 @@ def stage_args(work: Path, config: dict, train: dict, out: Path) -> list[str]:
     results = work / cfg.results_dir
     verifier = Path(cfg.verifier) if cfg.verifier else results / "demo" / "verifier"
     files = dict(
-        manifest=results / "extract" / "manifest.json",
+        manifest=Layout(results).extract.manifest,
         engine_cmd="",
-        vocab_map=results / "vocab" / "vocab_map.safetensors",
+        vocab_map=Layout(results).vocab.vocab_map,
         verifier=verifier,
         state_dir=out / "state",
         draft=out / "draft",
-        metrics=out / "metrics.jsonl",
+        metrics=out / METRICS,
     )
     return shlex.split(cli.render("train", cfg.train, files))
 
@@ -94,7 +95,7 @@ def run(layout: str, work: Path, config: dict, train: dict, out: Path) -> dict:
     if any(p.wait() != 0 for p in procs):
         text = "".join((out / f"log{i}.txt").read_text()[-2000:] for i in range(len(cmds)))
         raise SystemExit(f"{layout} failed:\n{text}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
     steps = [r for r in rows if r.get("split") == "train" and "tokens" in r]
     timed = steps[WARMUP_STEPS:]
     seconds = timed[-1]["elapsed_s"] - steps[WARMUP_STEPS - 1]["elapsed_s"]

@@ -62,6 +62,7 @@ from typing import Any, Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, Layout  # noqa: E402
 
 MIN_START_S = 30  # a part starts only with this much time left
 RESERVE_S = 5  # kept for writing the report at the end
@@ -211,7 +212,7 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
         "num_tokens": SAMPLES * tokens,
         "shards": entries,
     }
-    (extract / "manifest.json").write_text(json.dumps(record, indent=2))
+    (extract / MANIFEST).write_text(json.dumps(record, indent=2))
     draft_vocab = s["draft_vocab"]
     selected = torch.randperm(V, generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -254,13 +255,13 @@ def train_args(data: Path, out: Path, small: bool, verifier: str, **settings) ->
         **settings,
     )
     files = {
-        "manifest": data / "extract" / "manifest.json",
+        "manifest": Layout(data).extract.manifest,
         "engine_cmd": "",
         "vocab_map": data / "vocab_map.safetensors",
         "verifier": data / "verifier",
         "state_dir": out / "state",
         "draft": out / "draft",
-        "metrics": out / "metrics.jsonl",
+        "metrics": out / METRICS,
     }
     return shlex.split(cli.render("train", params, files))
 
@@ -683,7 +684,7 @@ def torchrun_train(c: Check, verifier: str, title: str, **settings) -> tuple[dic
     start = time.monotonic()
     text = c.sh(cmd, title)
     figures = {"inputs": prepared, "train_s": round(time.monotonic() - start, 1)}
-    figures.update(train_figures(out / "metrics.jsonl", text))
+    figures.update(train_figures(out / METRICS, text))
     figures["backend"] = "nccl" if not c.small else "gloo"
     if not figures.get("loss_fell"):
         raise Failed(f"{title}: the loss did not fall", figures)
@@ -759,7 +760,7 @@ class Workflow:
         from workflow_scripts.lib.training import disk_budget
         from workflow_scripts.lib.workflow.config import load_config
 
-        plan_path = self.results / "extract" / "stream_plan.json"
+        plan_path = Layout(self.results).extract.stream_plan
         if not plan_path.exists():
             target = str(plan_path.relative_to(self.dir))
             self.snakemake(config, gpus, "vocab_map", target, title="the stream plan")
@@ -827,7 +828,7 @@ class Workflow:
         plan = [line for line in text.splitlines() if "disk budget " in line and ": peak " in line]
         if plan:
             figures["plan"] = plan[-1].split("disk budget ", 1)[1]
-        figures.update(train_figures(self.results / "train" / "metrics.jsonl", text))
+        figures.update(train_figures(Layout(self.results).train.metrics, text))
         if engine.exists():
             done = [int(n) for n in ENGINE_SHARD.findall(engine.read_text(errors="replace"))]
             figures.update(engine_shards=len(done), engine_tokens=sum(done))

@@ -7,12 +7,12 @@ rule data:
         sources=DATA_FILES,
         code=stage_code("data"),
     output:
-        mixture=RESULTS / "data" / "chat_data.jsonl",
-        stats=report(RESULTS / "data" / "stats.json", category="Data"),
+        mixture=L.data.chat_data,
+        stats=report(L.data.stats, category="Data"),
     log:
-        LOGS / "data.log",
+        L.logs / "data.log",
     benchmark:
-        BENCHMARKS / "data.tsv"
+        L.benchmarks / "data.tsv"
     conda:
         conda_env()
     params:

@@ -3,20 +3,20 @@ rule demo:
     input:
         code=stage_code("demo"),
     output:
-        chat_data=DEMO / "chat_data.jsonl",
-        eval_prompts=DEMO / "eval_prompts.jsonl",
-        config=DEMO / "verifier" / "config.json",
-        weights=DEMO / "verifier" / "model.safetensors",
-        tokenizer=DEMO / "verifier" / "tokenizer.json",
+        chat_data=L.demo.chat_data,
+        eval_prompts=L.demo.eval_prompts,
+        config=L.demo.verifier / "config.json",
+        weights=L.demo.verifier / "model.safetensors",
+        tokenizer=L.demo.verifier / "tokenizer.json",
     log:
-        LOGS / "demo.log",
+        L.logs / "demo.log",
     benchmark:
-        BENCHMARKS / "demo.tsv"
+        L.benchmarks / "demo.tsv"
     conda:
         conda_env()
     threads: workflow.cores
     params:
         config=stage_config("demo"),
-        cmd=stage_cmd("demo", verifier=DEMO / "verifier"),
+        cmd=stage_cmd("demo", verifier=L.demo.verifier),
     shell:
         "{params.cmd} > {log} 2>&1"

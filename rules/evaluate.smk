@@ -12,20 +12,20 @@ rule evaluate_draft:
         code=stage_code("evaluate"),
     output:
         results=report(
-            RESULTS / "evaluate" / "results.json",
+            L.evaluate.results,
             category="Evaluation",
             caption="../report/evaluation.rst",
         ),
         plot_dir=report(
-            directory(RESULTS / "evaluate" / "plots"),
+            directory(L.evaluate.plots),
             patterns=["{name}.png"],
             category="Evaluation",
             caption="../report/plots.rst",
         ),
     log:
-        LOGS / "evaluate.log",
+        L.logs / "evaluate.log",
     benchmark:
-        BENCHMARKS / "evaluate.tsv"
+        L.benchmarks / "evaluate.tsv"
     conda:
         conda_env(EVALUATE_GPUS)
     threads: workflow.cores
@@ -46,16 +46,20 @@ rule evaluate_draft:
         "{params.cmd} > {log} 2>&1"
 
 
+# the settings that decide the results (lib/dryrun.py: resolved_config)
+RESOLVED = dryrun.resolved_config(CFG, VERIFIER_CFG)
+
+
 rule resolved_config:
     """The settings that decided the results, every default filled in (for the report and the
     record); execution settings are left out: they change how jobs run, not what they make."""
     output:
-        report(RESULTS / "config.resolved.yaml", category="Configuration"),
+        report(L.resolved_config, category="Configuration"),
     log:
-        LOGS / "resolved_config.log",
+        L.logs / "resolved_config.log",
     conda:
         conda_env()
     params:
-        config=json.dumps(result_config(), sort_keys=True),
+        config=json.dumps(RESOLVED, sort_keys=True),
     run:
-        Path(output[0]).write_text(yaml.safe_dump(result_config(), sort_keys=False))
+        Path(output[0]).write_text(yaml.safe_dump(RESOLVED, sort_keys=False))

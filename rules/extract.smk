@@ -1,9 +1,7 @@
 # Hidden-state extraction: extract.num_jobs data-parallel jobs, each one model load and the shards
-# i with i % num_jobs == job_index, then one manifest. Shards go to EXTRACT_SHARDS, which is no
+# i with i % num_jobs == job_index, then one manifest. Shards go to L.extract.shards, which is no
 # rule's output: Snakemake never deletes a finished shard, and a rerun job reuses every shard
 # whose fingerprint still matches (a killed job redoes only the shards it had not finished).
-EXTRACT = RESULTS / "extract"
-EXTRACT_SHARDS = EXTRACT / "shards"
 EXTRACT_GPUS = CFG.extract.gpus  # on all the job's nodes together
 EXTRACT_NODES = CFG.extract.num_nodes
 
@@ -16,11 +14,11 @@ rule extract:
         weights=VERIFIER_WEIGHTS,
         code=stage_code("extract"),
     output:
-        part=EXTRACT / "parts" / "part_{job_index}.json",
+        part=L.extract.part("{job_index}"),
     log:
-        LOGS / "extract" / "job_{job_index}.log",
+        L.logs / "extract" / "job_{job_index}.log",
     benchmark:
-        BENCHMARKS / "extract" / "job_{job_index}.tsv"
+        L.benchmarks / "extract" / "job_{job_index}.tsv"
     wildcard_constraints:
         job_index=r"\d+",
     conda:
@@ -38,7 +36,7 @@ rule extract:
             nodes=EXTRACT_NODES,
             engine=True,
             verifier=VERIFIER_DIR,
-            shard_dir=EXTRACT_SHARDS,
+            shard_dir=L.extract.shards,
         ),
     shell:
         "{params.cmd} > {log} 2>&1"
@@ -51,14 +49,14 @@ checkpoint extract_merge:
     """The jobs' part manifests -> the manifest of all shards (what training depends on)."""
     input:
         parts=expand(
-            EXTRACT / "parts" / "part_{job_index}.json",
+            L.extract.part("{job_index}"),
             job_index=range(CFG.extract.num_jobs),
         ),
         code=stage_code("extract_merge"),
     output:
-        manifest=report(EXTRACT / "manifest.json", category="Extraction"),
+        manifest=report(L.extract.manifest, category="Extraction"),
     log:
-        LOGS / "extract_merge.log",
+        L.logs / "extract_merge.log",
     conda:
         conda_env()
     params:

@@ -5,10 +5,10 @@ rule prepare:
         verifier_config=VERIFIER_CONFIG,
         code=stage_code("prepare"),
     output:
-        tokenized=RESULTS / "prepare" / "tokenized_data.jsonl",
-        stats=report(RESULTS / "prepare" / "stats.json", category="Data"),
+        tokenized=L.prepare.tokenized,
+        stats=report(L.prepare.stats, category="Data"),
     log:
-        LOGS / "prepare.log",
+        L.logs / "prepare.log",
     conda:
         conda_env()
     threads: CFG.prepare.num_processes or workflow.cores

@@ -1,5 +1,5 @@
 # Draft training: the extraction manifest, the vocab map and the verifier's head -> the draft.
-# The resume state (TRAIN / "state") is no rule's output: Snakemake never deletes it, so a killed
+# The resume state (L.train.state) is no rule's output: Snakemake never deletes it, so a killed
 # or failed training job continues from its last checkpoint when run again (the script discards
 # a state saved under other settings or inputs).
 #
@@ -7,31 +7,22 @@
 # (every shard's samples and exact bytes, rule extract_plan) and runs the engine itself
 # (extract_stream, on GPUs of its own beside training's, or on training's with
 # extract.share_training_gpus: the job reserves both), which computes each shard shortly before
-# a step reads it, into STREAM_SHARDS, within the budget (lib/training/stream.py).
-TRAIN = RESULTS / "train"
+# a step reads it, into L.extract.stream_shards, within the budget (lib/training/stream.py).
 STREAMED = CFG.extract.disk_budget is not None
-STREAM_PLAN = RESULTS / "extract" / "stream_plan.json"
-STREAM_SHARDS = RESULTS / "extract" / "stream"
-TRAIN_GPUS = CFG.train.num_gpus + (
-    0 if not STREAMED or CFG.extract.share_training_gpus else CFG.extract.gpus
-)
-if STREAMED and CFG.extract.share_training_gpus:
-    TRAIN_GPUS = max(CFG.train.num_gpus, CFG.extract.gpus)
+TRAIN_GPUS = CFG.train.job_gpus(CFG.extract)
 # Over several nodes (train.num_nodes): one SLURM job of whole nodes, TRAIN_GPUS on each
-# (common.smk node_resources), started on every node by the nodes launcher.
+# (lib/workflow/nodes.py: node_resources), started on every node by the nodes launcher.
 NODES = CFG.train.num_nodes
 ENGINE_CMD = (
     command_now(
         "extract_stream",
         tokenized=rules.prepare.output.tokenized,
         verifier=VERIFIER_DIR,
-        shard_dir=STREAM_SHARDS,
+        shard_dir=L.extract.stream_shards,
     )
     if STREAMED
     else ""
 )
-if STREAMED:
-    check_disk_budget(STREAM_PLAN, STREAM_SHARDS)
 
 
 rule extract_plan:
@@ -42,15 +33,15 @@ rule extract_plan:
         weights=VERIFIER_WEIGHTS,
         code=stage_code("extract_plan"),
     output:
-        plan=STREAM_PLAN,
+        plan=L.extract.stream_plan,
     log:
-        LOGS / "extract_plan.log",
+        L.logs / "extract_plan.log",
     conda:
         conda_env()
     params:
         config=stage_config("extract_plan"),
         made_from=made_from("extract_plan"),
-        cmd=stage_cmd("extract_plan", verifier=VERIFIER_DIR, shard_dir=STREAM_SHARDS),
+        cmd=stage_cmd("extract_plan", verifier=VERIFIER_DIR, shard_dir=L.extract.stream_shards),
     shell:
         "{params.cmd} > {log} 2>&1"
 
@@ -58,19 +49,19 @@ rule extract_plan:
 rule train:
     """Hidden-state shards (or, with a disk budget, the engine run alongside) + vocab map + verifier head -> EAGLE-3 draft (speculators format)."""
     input:
-        manifest=STREAM_PLAN if STREAMED else RESULTS / "extract" / "manifest.json",
+        manifest=L.extract.stream_plan if STREAMED else L.extract.manifest,
         vocab_map=rules.vocab.output.vocab_map,
         verifier_config=VERIFIER_CONFIG,
         engine=[rules.prepare.output.tokenized, *VERIFIER_WEIGHTS] if STREAMED else [],
         code=[stage_code("train")] + ([stage_code("extract_stream")] if STREAMED else []),
         init_from=INIT_FROM_FILES,
     output:
-        draft=directory(TRAIN / "draft"),
-        metrics=TRAIN / "metrics.jsonl",
+        draft=directory(L.train.draft),
+        metrics=L.train.metrics,
     log:
-        LOGS / "train.log",
+        L.logs / "train.log",
     benchmark:
-        BENCHMARKS / "train.tsv"
+        L.benchmarks / "train.tsv"
     conda:
         conda_env(TRAIN_GPUS)
     threads: workflow.cores
@@ -86,7 +77,7 @@ rule train:
             gpus=TRAIN_GPUS,
             nodes=NODES,
             verifier=VERIFIER_DIR,
-            state_dir=TRAIN / "state",
+            state_dir=L.train.state,
             engine_cmd=ENGINE_CMD,
         ),
     shell:

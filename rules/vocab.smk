@@ -5,10 +5,10 @@ rule vocab:
         verifier_config=VERIFIER_CONFIG,
         code=stage_code("vocab"),
     output:
-        vocab_map=RESULTS / "vocab" / "vocab_map.safetensors",
-        stats=report(RESULTS / "vocab" / "stats.json", category="Data"),
+        vocab_map=L.vocab.vocab_map,
+        stats=report(L.vocab.stats, category="Data"),
     log:
-        LOGS / "vocab.log",
+        L.logs / "vocab.log",
     conda:
         conda_env()
     params:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from workflow_scripts.lib.workflow.layout import METRICS, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,13 +55,13 @@ def stage_args(work: Path, params, out: Path) -> list[str]:
 
     results = work / "results"
     files = dict(
-        manifest=results / "extract" / "manifest.json",
+        manifest=Layout(results).extract.manifest,
         engine_cmd="",
-        vocab_map=results / "vocab" / "vocab_map.safetensors",
+        vocab_map=Layout(results).vocab.vocab_map,
         verifier=results / "demo" / "verifier",
         state_dir=out / "state",
         draft=out / "draft",
-        metrics=out / "metrics.jsonl",
+        metrics=out / METRICS,
     )
     return shlex.split(cli.render("train", params, files))
 

@@ -5,6 +5,7 @@ real import closure of its entry. Read from the files (ast) and from real runs; 
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from workflow_scripts.lib.hidden_states.manifest import FORMAT_VERSION
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.code_inputs import closure, direct_imports, module_file
 from workflow_scripts.lib.workflow.definitions import DataParams, VocabParams
+from workflow_scripts.lib.workflow import layout
+from workflow_scripts.lib.workflow.layout import MANIFEST, STATS
 from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +34,11 @@ LAYERS = (
     ("data", "hidden_states"),
     ("chat",),
     ("demo", "regeneration", "training", "evaluation"),
+    ("dryrun",),
 )
+# What the rules import of the library: the dry-run's one call, the settings, paths and commands,
+# and the user's errors.
+RULES_IMPORT = ("common", "dryrun", "workflow")
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Packages of the top layer that belong to one stage: no other stage's entry imports them.
 STAGE_PACKAGES = {
@@ -185,6 +192,60 @@ def test_no_file_is_longer_than_a_reader_holds():
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
+RECORD_NAMES = (layout.MANIFEST, layout.RESULTS, layout.STATS, layout.METRICS, layout.STREAM_PLAN)
+
+
+def code_strings(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string in a module's code, docstrings and settings' texts left out."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(getattr(node, "body", None), list)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    docs |= {  # the texts of settings
+        id(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+        for k in node.keywords if k.arg == "description"
+    }  # fmt: skip
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def test_only_the_layout_names_the_files_stages_hand_each_other():
+    """manifest.json, results.json, stats.json, metrics.jsonl and stream_plan.json are named in
+    lib/workflow/layout.py alone: the rules, the library, the benchmarks and the tests take them
+    (and every path under results_dir) from it."""
+    found = []
+    for path in sorted([*ROOT.glob("workflow_scripts/**/*.py"), *ROOT.glob("benchmarks/*.py")]):
+        found += [(path, n, t) for n, t in code_strings(path) if any(r in t for r in RECORD_NAMES)]
+    for path in sorted(ROOT.glob("tests/*.py")):
+        found += [(path, n, t) for n, t in code_strings(path) if any(r in t for r in RECORD_NAMES)]
+    for path in [ROOT / "Snakefile", *sorted(ROOT.glob("rules/*.smk"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            found += [(path, n, code) for r in RECORD_NAMES if r in code]
+    found = [(p.relative_to(ROOT), n, t) for p, n, t in found if p != ROOT / layout.__file__]
+    assert [f for f in found if f[0] != Path("workflow_scripts/lib/workflow/layout.py")] == []
+
+
+def test_the_rules_import_only_the_dry_run_and_the_workflow_contract():
+    """rules/*.smk take the checks from lib/dryrun.py (one call) and the settings, paths and
+    commands from lib/workflow/: a check is tested without Snakemake, in the library."""
+    found = {}
+    for path in [ROOT / "Snakefile", *sorted(ROOT.glob("rules/*.smk"))]:
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if len(words) > 1 and words[0] in ("from", "import") and words[1].startswith(LIB):
+                module = f"{LIB}.{words[3]}" if words[1] == LIB else words[1]  # from lib import x
+                found[module] = path.name
+    assert found and all(part_of(m) in RULES_IMPORT for m in found), found
+
+
 def test_closure_finds_imports_of_every_form(tmp_path):
     pkg = tmp_path / "workflow_scripts"
     (pkg / "lib").mkdir(parents=True)
@@ -236,12 +297,12 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
             "tokenized": tmp / "t.jsonl",
             "verifier": tmp / "verifier",
             "vocab_map": tmp / "vocab_map.safetensors",
-            "stats": tmp / "stats.json",
+            "stats": tmp / STATS,
         }
     if stage == "data":
         row = {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
         (tmp / "chats.jsonl").write_text(json.dumps(row) + "\n")
-        return {"mixture": tmp / "chat_data.jsonl", "stats": tmp / "stats.json"}
+        return {"mixture": tmp / "chat_data.jsonl", "stats": tmp / STATS}
     if stage == "extract_merge":
         (tmp / "shard_000000.safetensors").write_bytes(b"0123")
         part = {
@@ -252,7 +313,7 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
                         "num_samples": 1, "num_tokens": 4}],
         }  # fmt: skip
         (tmp / "part_0.json").write_text(json.dumps(part))
-        return {"parts": [tmp / "part_0.json"], "manifest": tmp / "manifest.json"}
+        return {"parts": [tmp / "part_0.json"], "manifest": tmp / MANIFEST}
     assert stage == "regenerate_merge"
     (tmp / "batches").mkdir()
     row = {"id": "r", "messages": [{"role": "user", "content": "q"}]}
@@ -268,7 +329,7 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
         "parts": [tmp / "part_0.json"],
         "work_dir": tmp / "batches",
         "regenerated": tmp / "chat.jsonl",
-        "stats": tmp / "stats.json",
+        "stats": tmp / STATS,
     }
 
 

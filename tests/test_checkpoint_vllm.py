@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from workflow_scripts.lib.workflow.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -147,12 +148,10 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
     results = work / "results"
     verifier = Path(demo_build["verifier"])
     inputs = TrainInputs(
-        verifier, results / "extract" / "manifest.json", results / "vocab" / "vocab_map.safetensors"
+        verifier, Layout(results).extract.manifest, Layout(results).vocab.vocab_map
     )
-    evaluated = json.loads((results / "evaluate" / "results.json").read_text())
-    metrics = [
-        json.loads(x) for x in (results / "train" / "metrics.jsonl").read_text().splitlines()
-    ]
+    evaluated = json.loads((Layout(results).evaluate.results).read_text())
+    metrics = [json.loads(x) for x in (Layout(results).train.metrics).read_text().splitlines()]
     held_out = [r for r in metrics if r["split"] == "val"][-1]["top1_agreement"]
     assert held_out[0] > 0.7, held_out
 

@@ -30,6 +30,7 @@ from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import DataParams
 from workflow_scripts.lib.workflow.sources import ChatSource, EvalPrompts, PromptSource
+from workflow_scripts.lib.workflow.layout import STATS
 
 ROWS = [
     {
@@ -297,7 +298,7 @@ def test_the_data_stage_stops_on_a_file_cut_short_without_a_traceback(tmp_path):
     path = cut(write_kind(tmp_path, "jsonl.zst", many_rows(6000)), 0.7)
     files = {
         "mixture": tmp_path / "out" / "chat_data.jsonl",
-        "stats": tmp_path / "out" / "stats.json",
+        "stats": tmp_path / "out" / STATS,
     }
     params = DataParams(chat_data=[{"path": str(path)}])
     proc = subprocess.run(

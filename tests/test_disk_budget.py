@@ -29,6 +29,7 @@ from workflow_scripts.lib.training.data import Plan
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.definitions import ExtractParams, TrainParams
+from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, STREAM_PLAN, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -196,7 +197,7 @@ class Build:
         self.out = out
         self.tokenized = work / "results" / "prepare" / "tokenized_data.jsonl"
         self.verifier = work / "results" / "demo" / "verifier"
-        self.vocab_map = work / "results" / "vocab" / "vocab_map.safetensors"
+        self.vocab_map = Layout(work / "results").vocab.vocab_map
         cfg = load_config(yaml.safe_load((work / "config.yaml").read_text()))
         self.extract = cfg.extract.model_copy(update={"shard_size_samples": 16})
         self.train = cfg.train.model_copy(
@@ -223,7 +224,7 @@ class Build:
             verifier=self.verifier,
             state_dir=out / "state",
             draft=out / "draft",
-            metrics=out / "metrics.jsonl",
+            metrics=out / METRICS,
         )
         return render("train", self.train, files)
 
@@ -239,9 +240,9 @@ def unbounded(mechanics_build, tmp_path_factory):
     )
     proc = run(render("extract", b.extract, files))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = b.out / "manifest.json"
+    manifest = b.out / MANIFEST
     manifest.write_text(json.dumps(merge_parts([(part, json.loads(part.read_text()))], manifest)))
-    b.plan = b.out / "stream_plan.json"
+    b.plan = b.out / STREAM_PLAN
     files = dict(tokenized=b.tokenized, verifier=b.verifier, shard_dir=b.out / "s", plan=b.plan)
     proc = run(render("extract_plan", b.extract, files))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -348,7 +349,7 @@ def _running(pid: int) -> bool:
 @pytest.mark.workflow
 def test_dry_run_shows_the_costs_and_refuses_a_budget_too_small(mechanics_build):
     work, config = mechanics_build
-    plan = work / "results" / "extract" / "stream_plan.json"
+    plan = Layout(work / "results").extract.stream_plan
 
     def dry_run(target: str, disk_budget: str, **more) -> tuple[str | None, str]:
         train = {**config.get("train", {}), "shuffle_window_shards": 1}

@@ -1,5 +1,5 @@
 """The dry-run checks what the requested targets need (lib/verifier/preflight.py: TARGET_STAGES;
-rules/common.smk: requested_targets): a problem of a stage that no requested target needs is a
+lib/dryrun.py: requested_targets): a problem of a stage that no requested target needs is a
 warning naming the targets that cannot be built, one of a stage a requested target needs an error
 naming that target. Shown here with GPU counts on the embedded default (no verifier to build);
 the verifier's checks, with a Gemma3 verifier vLLM serves no draft for, in test_families.py.
@@ -16,9 +16,11 @@ from tests.workflow_runner import (
     snakemake,
     write_config,
 )
+from workflow_scripts.lib import dryrun
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.workflow.config import load_config
+from workflow_scripts.lib.workflow.layout import Layout
 
 # evaluation asks more GPUs than a node has; no other stage asks any
 TOO_WIDE = {"gpus_per_node": 1, "evaluate": {"use_gpus": True, "tensor_parallel_size": 2}}
@@ -35,7 +37,7 @@ WARNING = f"target evaluate (and all) cannot be built: {WHY}"
         ("all", True),
         ("evaluate", True),
         ("evaluate_draft", True),
-        ("results/evaluate/results.json", True),  # a file: checked as strictly as all
+        (str(Layout("results").evaluate.results), True),  # a file: checked as strictly as all
         ("draft_ckpt", False),
         ("train", False),
         ("hidden_states", False),
@@ -114,3 +116,55 @@ def test_the_dry_run_plans_what_it_can_build_and_refuses_what_it_cannot(default_
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"target all cannot be built: {WHY}" in out, out[-3000:]
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    "argv, targets",
+    [
+        (["/w/.venv/bin/snakemake", "-n", "prepare", "--forcerun", "vocab"], ["prepare", "vocab"]),
+        (["/w/.venv/bin/snakemake", "--cores", "1", "--until", "extract"], ["extract"]),
+        # a cluster job: `python -m snakemake --target-jobs ...`
+        (
+            ["/l/snakemake/__main__.py", "--target-jobs", "train:", "extract:job_index=0"],
+            ["train", "extract"],
+        ),
+        (["/w/.venv/bin/snakemake", "--cores", "1"], ["all"]),  # the default target
+        (["pytest", "-q"], ["all"]),  # not Snakemake's command line: every stage checked
+    ],
+)
+def test_the_requested_targets_are_read_from_snakemakes_command_line(argv, targets):
+    assert dryrun.requested_targets(argv) == targets
+
+
+def check_run(tmp_path, config: dict, targets: list[str]) -> tuple[dryrun.Run, list]:
+    said = []
+    run = dryrun.check_run(
+        load_config(config),
+        targets,
+        Layout(tmp_path / "results"),
+        gpu_limit=None,
+        profile_resources=lambda rule: {},
+        default_partition=None,
+        own_python=None,
+        estimate=True,
+        versions=None,
+        say=lambda level, text: said.append((level, text)),
+    )
+    return run, said
+
+
+def test_the_dry_runs_checks_run_without_snakemake(tmp_path):
+    """lib/dryrun.py's one call, as rules/common.smk makes it: the embedded default's inputs, a
+    problem of a stage no target needs said as a warning, and refused where a target needs it."""
+    run, said = check_run(tmp_path, TOO_WIDE, ["draft_ckpt"])
+    results = Layout(tmp_path / "results")
+    assert run.verifier_dir == results.demo.verifier and run.verifier_cfg == {}
+    assert run.verifier_weights == [str(results.demo.verifier / "model.safetensors")]
+    assert run.data_files == [results.demo.chat_data]
+    assert run.eval_files == [results.demo.eval_prompts]
+    assert run.gpus == 3 and ("warning", WARNING) in said  # extract 1 (by default), evaluate 2
+    with pytest.raises(UserError) as exc:
+        check_run(tmp_path, TOO_WIDE, ["evaluate"])
+    assert str(exc.value) == (
+        f"the config asks for more GPUs than there are:\n  target evaluate cannot be built: {WHY}"
+    )

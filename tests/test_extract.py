@@ -30,6 +30,7 @@ from workflow_scripts.lib.hidden_states.shards import ShardReader, read_position
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import ExtractParams
 from workflow_scripts.stages import extract
+from workflow_scripts.lib.workflow.layout import MANIFEST, STATS
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -130,9 +131,9 @@ def run_job(
 
 def merged(out: Path, num_jobs: int) -> dict:
     parts = [out / "parts" / f"part_{j}.json" for j in range(num_jobs)]
-    manifest = merge([(p, json.loads(p.read_text())) for p in parts], out / "manifest.json")
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return load_manifest(out / "manifest.json", verify_checksums=True)
+    manifest = merge([(p, json.loads(p.read_text())) for p in parts], out / MANIFEST)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return load_manifest(out / MANIFEST, verify_checksums=True)
 
 
 def tensors(manifest: dict) -> dict[str, torch.Tensor]:
@@ -349,7 +350,7 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     ):
         (work / "results" / stage).mkdir(parents=True)
         (work / "results" / stage / name).write_bytes(data)
-        (work / "results" / stage / "stats.json").write_text("{}")
+        (work / "results" / stage / STATS).write_text("{}")
     assert planned_in_process(work, "hidden_states", config) == {"extract": 2, "extract_merge": 1}
     snakemake(work, "hidden_states", "--cores", "2", "--set-threads", "extract=1")
 
@@ -357,7 +358,7 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     parts = [json.loads((out / "parts" / f"part_{j}.json").read_text()) for j in (0, 1)]
     assert [e["index"] for e in parts[0]["shards"]] == [0, 2, 4, 6]
     assert [e["index"] for e in parts[1]["shards"]] == [1, 3, 5, 7]
-    two = load_manifest(out / "manifest.json", verify_checksums=True)
+    two = load_manifest(out / MANIFEST, verify_checksums=True)
     one = resumed["manifest"]
     for a, b in zip(one["shards"], two["shards"], strict=True):
         for key in ("index", "fingerprint", "sample_start", "num_samples", "num_tokens"):

@@ -38,6 +38,7 @@ from workflow_scripts.lib.hidden_states.manifest import merge_parts
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import ExtractParams
+from workflow_scripts.lib.workflow.layout import MANIFEST
 
 pytestmark = pytest.mark.engine
 
@@ -154,9 +155,9 @@ def extract(verifier: Path, tokenized: Path, out: Path, backend: str) -> Path:
     proc = run_stage("workflow_scripts.stages.extract", args, out.parent)
     assert proc.returncode == 0, proc.stderr[-6000:]
     part = out / "parts" / "part_0.json"
-    manifest = merge_parts([(part, json.loads(part.read_text()))], out / "manifest.json")
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out / "manifest.json"
+    manifest = merge_parts([(part, json.loads(part.read_text()))], out / MANIFEST)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out / MANIFEST
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from tests.workflow_runner import as_gpu_environment, copy_workflow, jobs_in, snakemake
+from workflow_scripts.lib.workflow.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DEMO = yaml.safe_load((ROOT / "config.demo-gpu.yaml").read_text())
@@ -54,7 +55,7 @@ def test_the_embedded_default_runs_on_one_gpu(tmp_path):
     work = copy_workflow(tmp_path / "wf", GPU_DEMO)
     snakemake(work, "--cores", "all", "evaluate", "--resources", "gpu=1")
     results_dir = work / GPU_DEMO["results_dir"]
-    results = json.loads((results_dir / "evaluate" / "results.json").read_text())
+    results = json.loads((Layout(results_dir).evaluate.results).read_text())
     assert results["summary"]["eagle3_mean_acceptance_length"] > 1.0, results["summary"]
     for log in ("extract/job_0.log", "train.log", "evaluate.log"):
         assert "CUDA_VISIBLE_DEVICES=0" in (results_dir / "logs" / log).read_text(), log

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import workflow_runner
+from workflow_scripts.lib.workflow.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,8 +211,8 @@ def test_snakemake_local_run_gives_concurrent_extraction_jobs_their_own_gpus(tmp
         "results/demo/verifier/config.json",
         "results/demo/verifier/model.safetensors",
         "results/demo/verifier/tokenizer.json",
-        "results/prepare/tokenized_data.jsonl",
-        "results/prepare/stats.json",
+        str(Layout("results").prepare.tokenized),
+        str(Layout("results").prepare.stats),
     ):
         (wd / rel).parent.mkdir(parents=True, exist_ok=True)
         (wd / rel).write_text("{}\n")

@@ -17,19 +17,20 @@ import pytest
 
 from tests.test_reruns import RECORD, TARGET, downstream, other_valid_config
 from tests.workflow_runner import planned_in_process, snakemake, write_config
+from workflow_scripts.lib.workflow.layout import Layout
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
 # a stage: its outputs, the target that runs it alone, the setting changed and its entry script
 STAGE = {
     "prepare": (
-        ["results/prepare/tokenized_data.jsonl", "results/prepare/stats.json"],
+        [str(Layout("results").prepare.tokenized), str(Layout("results").prepare.stats)],
         "prepare",
         "max_seq_len_tokens",
         "workflow_scripts/stages/prepare.py",
     ),
     "train": (
-        ["results/train/draft", "results/train/metrics.jsonl"],
+        [str(Layout("results").train.draft), str(Layout("results").train.metrics)],
         "draft_ckpt",
         "learning_rate",
         "workflow_scripts/stages/train.py",

@@ -23,13 +23,14 @@ from tests.workflow_runner import (
     write_config,
 )
 from workflow_scripts.lib.workflow.config import load_config
+from workflow_scripts.lib.workflow.layout import RESULTS, STATS, Layout
 
 pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
 
 def test_evaluation_results(full_build):
     work, _ = full_build
-    results = json.loads((work / "results" / "evaluate" / "results.json").read_text())
+    results = json.loads((Layout(work / "results").evaluate.results).read_text())
     eagle, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
     assert results["num_prompts"] == 48 and results["num_speculative_tokens"] == 3
     # a trained draft on the predictable demo verifier is accepted most of the time
@@ -74,9 +75,9 @@ def test_report(mechanics_build, tmp_path):
     names = zipfile.ZipFile(report).namelist()
     for expected in (
         "acceptance_per_position.png",
-        "results.json",
+        RESULTS,
         "config.resolved.yaml",
-        "stats.json",
+        STATS,
     ):
         assert any(n.endswith(expected) for n in names), (expected, names)
 
@@ -130,7 +131,7 @@ def test_a_draft_to_start_from_reruns_training_only_and_is_checked(mechanics_bui
         new = with_config(work, config, train={"init_from": "drafts/previous"})
         expected = {"train": 1, "evaluate_draft": 1, "resolved_config": 1}
         assert planned_in_process(work, "evaluate", new) == expected
-        inside = {**new, "train": {**new["train"], "init_from": "results/train/draft"}}
+        inside = {**new, "train": {**new["train"], "init_from": str(Layout("results").train.draft)}}
         error, out = dry_run_in_process(work, "draft_ckpt", inside)
         assert error is not None and "train.init_from results/train/draft lies in" in error, out
         assert "copy the draft out first" in error
@@ -224,7 +225,7 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
         "context_edges": p.context_edges(),
     }
     run = run_in_child(job, tmp_path, "eagle3_tp2")["greedy"]
-    evaluated = json.loads((results / "evaluate" / "results.json").read_text())
+    evaluated = json.loads((Layout(results).evaluate.results).read_text())
     assert run["mean_acceptance_length"] >= 2.5, run
     assert (
         abs(run["mean_acceptance_length"] - evaluated["runs"]["eagle3"]["mean_acceptance_length"])
@@ -267,7 +268,7 @@ def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):
         "regenerated_ids" in m for m in kept
     )  # tool chains as the data has them
 
-    stats = json.loads((results / "prepare/stats.json").read_text())
+    stats = json.loads((Layout(results).prepare.stats).read_text())
     assert stats["dropped"] == {} and stats["conversations_out"] == len(regenerated), stats
     kinds = stats["supervised_tokens_by_kind"]
     assert kinds["reasoning"] > 0 and kinds["tool_call"] > 0 and kinds["stop"] > 0, kinds
@@ -286,7 +287,7 @@ def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):
                 ids = msg["regenerated_ids"]["prompt"] + msg["regenerated_ids"]["generated"]
                 assert any(r["input_ids"][: len(ids)] == ids[:384] for r in by_line[line_no])
 
-    evaluated = json.loads((results / "evaluate/results.json").read_text())
+    evaluated = json.loads((Layout(results).evaluate.results).read_text())
     assert evaluated["runs"]["eagle3"]["num_drafts"] > 0
 
 
@@ -296,7 +297,7 @@ def test_evaluation_reports_each_set_and_all_together(mechanics_build):
     offline; MT-Bench's second turns were served after each engine's own first answer, greedy
     outputs the verifier's own over both turns."""
     work, _ = mechanics_build
-    results = json.loads((work / "results/evaluate/results.json").read_text())
+    results = json.loads((work / str(Layout("results").evaluate.results)).read_text())
     assert [s["set"] for s in results["eval_prompts"]] == ["demo", "humaneval", "mt_bench"]
     assert results["eval_prompts"][1]["path"].endswith("HumanEval.jsonl.gz")
     assert results["num_prompts"] == 10 and list(results["sets"]) == [
@@ -333,7 +334,7 @@ def test_acceptance_by_context_length_holds_every_verify_step(mechanics_build):
     and bucket, the verify steps whose drafts followed a context of that length; the buckets
     together are every step the per-prompt histograms hold, and the report plots them."""
     work, _ = mechanics_build
-    results = json.loads((work / "results/evaluate/results.json").read_text())
+    results = json.loads((work / str(Layout("results").evaluate.results)).read_text())
     assert results["context_edges_tokens"] == [128, 256, 1024]
     for run in ("eagle3", "ngram"):
         histograms = results["runs"][run]["acceptance_histograms"]

@@ -28,6 +28,7 @@ from workflow_scripts.lib.common import Progress, UserError
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import PrepareParams
 from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
+from workflow_scripts.lib.workflow.layout import STATS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +135,7 @@ def run_prepare(tmp_path, verifier, chat_data, **params):
         "chat_data": chat_data,
         "verifier": verifier,
         "tokenized": tmp_path / "out" / "tokenized_data.jsonl",
-        "stats": tmp_path / "out" / "stats.json",
+        "stats": tmp_path / "out" / STATS,
     }
     args = shlex.split(cli.render("prepare", PrepareParams(**params), files))
     proc = subprocess.run(

@@ -18,6 +18,7 @@ import pytest
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.demo import smollm2
 from workflow_scripts.lib.workflow.definitions import DemoParams
+from workflow_scripts.lib.workflow.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +137,7 @@ def test_every_stage_ran_with_the_teacher_proven_and_the_draft_served_lossless(r
     log = (results_dir / "logs" / "train.log").read_text()
     agree, checked = map(int, re.search(r"teacher check: .* at (\d+) of (\d+)", log).groups())
     assert checked >= 10 and agree == checked, log[-2000:]
-    results = json.loads((results_dir / "evaluate" / "results.json").read_text())
+    results = json.loads((Layout(results_dir).evaluate.results).read_text())
     assert results["greedy_lossless"], results["greedy_mismatches"]
     assert set(results["sets"]) == {"demo", "humaneval"}
     eagle = results["runs"]["eagle3"]

@@ -32,6 +32,7 @@ from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.definitions import RegenerateParams
 from workflow_scripts.stages import regenerate, regenerate_merge
+from workflow_scripts.lib.workflow.layout import STATS
 
 S = {"role": "system", "content": "Be brief."}
 
@@ -170,7 +171,7 @@ def merge_args(out: Path, num_jobs: int = 1) -> list[str]:
         "parts": [out / "parts" / f"part_{j}.json" for j in range(num_jobs)],
         "work_dir": out / "batches",
         "regenerated": out / "chat_data.jsonl",
-        "stats": out / "stats.json",
+        "stats": out / STATS,
     }
     return shlex.split(cli.render("regenerate_merge", None, files))
 
@@ -322,7 +323,7 @@ def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch
     monkeypatch.setattr(sys, "argv", ["regenerate_merge", *merge_args(tmp_path, 2)])
     regenerate_merge.main()
     assert [r["id"] for r in read_jsonl(tmp_path / "chat_data.jsonl")] == ["r0", "r1", "r2"]
-    stats = json.loads((tmp_path / "stats.json").read_text())
+    stats = json.loads((tmp_path / STATS).read_text())
     assert stats["rows_out"] == 3 and stats["turns"] == 3 and stats["jobs"] == 2
 
     write_part(tmp_path, 1, 2, [1], fingerprint="other")
@@ -416,7 +417,7 @@ def test_answers_are_the_verifiers_turn_by_turn(demo_build, demo_chat, greedy):
         # prepare reads the output like any chat data, with assistant tokens to learn
         rows, _ = tokenize_rows(template, read_conversation(g), 512)
         assert len(rows) == 1 and sum(rows[0].loss_mask) > 0
-    stats = json.loads((out / "stats.json").read_text())
+    stats = json.loads((out / STATS).read_text())
     assert stats["rows_in"] == stats["rows_out"] == 24
     assert stats["turns"] == sum(r["regenerate"]["turns"] for r in got)
     assert stats["length_limited_turns"] == 0 and stats["bad_rows"] == {}
@@ -448,7 +449,7 @@ def test_length_limits_are_counted_and_flagged(demo_build, demo_chat, tmp_path, 
         on_length_limit=policy,
     )
     got = read_jsonl(tmp_path / "chat_data.jsonl")
-    stats = json.loads((tmp_path / "stats.json").read_text())
+    stats = json.loads((tmp_path / STATS).read_text())
     assert stats["bad_rows"] == {"too_long": 1} and "too-long" not in {r["id"] for r in got}
     flagged = [r for r in got if r["regenerate"]["length_limited_turns"]]
     assert stats["length_limited_conversations"] > 0 and stats["context_full_conversations"] > 0
@@ -507,7 +508,7 @@ def resumed(demo_build, demo_chat, tmp_path_factory):
 def test_killed_job_resumes_only_unfinished_batches(resumed):
     reused = resumed["reused"]
     assert f"{reused} finished earlier, {8 - reused} to do" in resumed["log"]
-    stats = json.loads((resumed["out"] / "stats.json").read_text())
+    stats = json.loads((resumed["out"] / STATS).read_text())
     assert stats["batches"] == 8 and stats["batches_reused"] == reused
     # sampling is seeded per conversation and turn: the resumed run wrote what the whole run did
     whole = (resumed["whole"] / "chat_data.jsonl").read_text()
@@ -546,7 +547,7 @@ def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_p
     run("workflow_scripts.stages.regenerate_merge", merge_args(tmp_path, 2))
     one = greedy[0] / "chat_data.jsonl"
     assert (tmp_path / "chat_data.jsonl").read_text() == one.read_text()
-    assert json.loads((tmp_path / "stats.json").read_text())["jobs"] == 2
+    assert json.loads((tmp_path / STATS).read_text())["jobs"] == 2
 
 
 @pytest.mark.engine

@@ -22,6 +22,7 @@ from tests.workflow_runner import planned_in_process
 from workflow_scripts.lib.training import reporting, trainer
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.config import ConfigError, load_config
+from workflow_scripts.lib.workflow.layout import METRICS
 from workflow_scripts.stages import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,8 +120,8 @@ def wandb_history(out: Path, run_id: str) -> list[dict]:
 
 def test_the_backends_show_the_curves_of_the_metrics_file(resumed):
     out, run_id, _ = resumed
-    rows = read_metrics(out / "metrics.jsonl")
-    validation = read_metrics(out / "metrics.jsonl", "val")
+    rows = read_metrics(out / METRICS)
+    validation = read_metrics(out / METRICS, "val")
     assert validation and rows
     # TensorBoard: one run, its curves those of metrics.jsonl, at the optimizer steps
     assert [p.name for p in (out / "tensorboard").iterdir()] == [run_id]
@@ -148,7 +149,7 @@ def test_the_backends_show_the_curves_of_the_metrics_file(resumed):
     for v in validation:
         assert history[v["step"]]["val/loss"] == pytest.approx(v["loss"], rel=1e-6)
     # the validation whose weights the draft has, in the run's summary
-    selected = read_metrics(out / "metrics.jsonl", "selected")[-1]
+    selected = read_metrics(out / METRICS, "selected")[-1]
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     summary = {}
     for record in reporting.wandb_records(runs[-1] / f"run-{run_id}.wandb"):
@@ -161,7 +162,7 @@ def test_the_backends_show_the_curves_of_the_metrics_file(resumed):
 
 def test_a_resumed_run_continues_its_curves_each_step_once(resumed):
     out, run_id, stderr = resumed
-    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(out / METRICS)]
     assert steps == list(range(1, len(steps) + 1))
     # TensorBoard: the killed process's steps past the state purged, logged again once
     assert [s for s, _ in tensorboard_curve(out / "tensorboard" / run_id, "train/loss")] == steps
@@ -181,7 +182,7 @@ def test_under_torchrun_the_main_process_reports(inputs, tmp_path):
     proc = run_python(["-m", "workflow_scripts.stages.train", *args], tmp_path / "wandb_home")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "starting 2 training processes" in proc.stderr
-    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(out / METRICS)]
     (events,) = (out / "tensorboard").iterdir()
     assert [s for s, _ in tensorboard_curve(events, "train/loss")] == steps
     assert [h["_step"] for h in wandb_history(out, events.name)] == steps

@@ -32,6 +32,7 @@ from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, shard_
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.definitions import PrepareParams
+from workflow_scripts.lib.workflow.layout import Layout
 
 # --------------------------------------------------------------------------- the bytes
 
@@ -108,8 +109,8 @@ def prepared(tmp_path: Path, **stats) -> dict[str, Path]:
     paths = {
         "chat_data": Path("results/data/chat_data.jsonl"),
         "verifier": Path("results/demo/verifier"),
-        "stats": Path("results/prepare/stats.json"),
-        "tokenized": Path("results/prepare/tokenized_data.jsonl"),
+        "stats": Path(str(Layout("results").prepare.stats)),
+        "tokenized": Path(str(Layout("results").prepare.tokenized)),
     }
     for path in paths.values():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,14 +157,12 @@ def test_prepares_counts_are_taken_only_for_the_current_settings(tmp_path, monke
 
 
 def report(paths, config: dict, targets: list[str]) -> tuple[list[str], list[str]]:
-    results = paths["stats"].parent.parent
     return dry_run_report(
         load_config(config),
         targets,
-        results,
+        Layout(paths["stats"].parent.parent),
         paths["verifier"],
         paths["chat_data"],
-        results / "extract" / "shards",
     )
 
 
@@ -236,8 +235,8 @@ def test_before_prepare_the_dry_run_says_how_to_get_the_estimate(tmp_path):
 @pytest.mark.workflow
 def test_the_dry_run_estimate_is_what_the_extraction_wrote(mechanics_build, monkeypatch):
     work, config = mechanics_build
-    manifest = json.loads((work / "results" / "extract" / "manifest.json").read_text())
-    stats = json.loads((work / "results" / "prepare" / "stats.json").read_text())
+    manifest = json.loads((Layout(work / "results").extract.manifest).read_text())
+    stats = json.loads((Layout(work / "results").prepare.stats).read_text())
     verifier = json.loads((work / "results" / "demo" / "verifier" / "config.json").read_text())
     cfg = load_config(merged(yaml.safe_load((work / "config.yaml").read_text()), config))
     counts = Counts(stats["rows_out"], stats["tokens"], stats["loss_masked_tokens"])
@@ -259,10 +258,9 @@ def test_the_dry_run_estimate_is_what_the_extraction_wrote(mechanics_build, monk
     lines, warnings = dry_run_report(
         cfg,
         ["draft_ckpt"],
-        Path("results"),
-        Path("results/demo/verifier"),
-        Path("results/regenerate/chat_data.jsonl"),
-        Path("results/extract/shards"),
+        Layout("results"),
+        Layout("results").demo.verifier,
+        Layout("results").regenerate.chat_data,
     )
     assert warnings == [] and lines[1].startswith(f"  extract: {counts.samples:,} samples")
     error, out = dry_run_in_process(work, "draft_ckpt", config)

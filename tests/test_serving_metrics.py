@@ -18,6 +18,7 @@ from workflow_scripts.lib.evaluation.acceptance import acceptance_with_ci, simul
 from workflow_scripts.lib.training.data import MicroBatch
 from workflow_scripts.lib.training.setup import only_in_draft_vocab, summarize, with_aux_noise
 from workflow_scripts.stages import train
+from workflow_scripts.lib.workflow.layout import METRICS
 
 
 @torch.no_grad()
@@ -74,8 +75,8 @@ def test_the_draft_is_the_best_validation(tmp_path):
     # a high learning rate: the validations differ, the last is not always the best
     params = {**FAST, "validation_fraction": 0.25, "validate_every_steps": 4, "learning_rate": 3e-2}
     train.main(inputs.args(out, epochs=4, **params))
-    rows = read_metrics(out / "metrics.jsonl", "val")
-    selected = read_metrics(out / "metrics.jsonl", "selected")
+    rows = read_metrics(out / METRICS, "val")
+    selected = read_metrics(out / METRICS, "selected")
     assert len(rows) >= 3 and len(selected) == 1
     scores = [r["simulated_acceptance_length"] for r in rows]
     best = max(range(len(rows)), key=lambda i: (scores[i], i))  # the latest of equal ones
@@ -124,7 +125,7 @@ def test_evaluation_reads_what_training_selected(tmp_path):
         {"step": 8, "split": "val", "acceptance_per_position": [0.4, 0.2, 0.1]},
         {"step": 4, "split": "selected", "acceptance_per_position": [0.5, 0.25, 0.1]},
     ]
-    path = tmp_path / "metrics.jsonl"
+    path = tmp_path / METRICS
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = simulated_acceptance(path, 2)
     assert got == {
@@ -184,8 +185,8 @@ def test_recipe_options_train(tmp_path):
         out = tmp_path / name
         train.main(inputs.args(out, epochs=1, **{**FAST, "validation_fraction": 0.25, **extra}))
         runs[name] = (
-            read_metrics(out / "metrics.jsonl"),
-            read_metrics(out / "metrics.jsonl", "val"),
+            read_metrics(out / METRICS),
+            read_metrics(out / METRICS, "val"),
         )
     (plain, plain_val), (restricted, restricted_val), (noise, _) = runs.values()
     assert restricted[0]["positions_per_step"][0] < plain[0]["positions_per_step"][0]

@@ -31,6 +31,7 @@ from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
 from workflow_scripts.lib.training.data import SampleIndex
 from workflow_scripts.lib.workflow.definitions import ExtractParams
 from workflow_scripts.lib.workflow.registry import ExtractIO
+from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS
 
 STORED = ["float32", "bfloat16", "float8_e4m3fn"]
 
@@ -208,7 +209,7 @@ def test_manifest_sums_the_jobs_disk_plans(world, tmp_path):
             }
         part = part_manifest(io, p, plan, dp)
         parts.append((io.part, json.loads(json.dumps(part))))
-    manifest = merge_parts(parts, tmp_path / "manifest.json")
+    manifest = merge_parts(parts, tmp_path / MANIFEST)
     disk = manifest["disk"]
     assert disk["bytes"] == manifest["bytes"] == sum(e["bytes"] for e in manifest["shards"])
     assert disk["by_storage_dtype"]["float32"]["bytes"] == manifest["bytes"]
@@ -260,7 +261,7 @@ def test_training_runs_on_float8_shards(tmp_path):
             out, epochs=3, micro_batch_budget_tokens=128, learning_rate=3e-3, warmup_steps=5
         )
     )
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out / METRICS)
     assert rows and rows[-1]["loss"] < rows[0]["loss"]
 
 

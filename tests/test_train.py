@@ -46,6 +46,7 @@ from workflow_scripts.lib.training import trainer
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.stages import train
+from workflow_scripts.lib.workflow.layout import METRICS, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(
@@ -77,9 +78,7 @@ def inputs(tmp_path_factory):
 def copy_inputs(inputs, dst: Path):
     for name in ("verifier", "extract", "vocab"):
         shutil.copytree(inputs.verifier.parent / name, dst / name)
-    return type(inputs)(
-        dst / "verifier", dst / "extract" / "manifest.json", dst / "vocab" / "vocab_map.safetensors"
-    )
+    return type(inputs)(dst / "verifier", Layout(dst).extract.manifest, Layout(dst).vocab.vocab_map)
 
 
 def run_script(args, timeout=300):
@@ -599,7 +598,7 @@ def test_bad_input_stops_before_the_first_step(inputs, tmp_path, case):
     spoil(bad)
     with pytest.raises(UserError, match=message):
         train.main(bad.args(tmp_path / "out", epochs=1, **FAST))
-    assert not (tmp_path / "out" / "state" / trainer.METRICS_FILE).exists()
+    assert not (tmp_path / "out" / "state" / METRICS).exists()
     assert not (tmp_path / "out" / "draft").exists()
 
 
@@ -618,13 +617,13 @@ def test_bad_input_exits_with_the_message_before_starting_processes(inputs, tmp_
 def test_training_learns_and_writes_checkpoint_and_metrics(inputs, tmp_path):
     out = tmp_path / "out"
     train.main(inputs.args(out, epochs=6, checkpoint_every_steps=20, **FAST))
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out / METRICS)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     first, last = rows[0], rows[-1]
     assert last["loss"] < 0.6 * first["loss"]
     assert len(last["top1_agreement"]) == 3 and all(0 <= a <= 1 for a in last["top1_agreement"])
     assert sum(last["top1_agreement"]) > sum(first["top1_agreement"])
-    validation = read_metrics(out / "metrics.jsonl", "val")
+    validation = read_metrics(out / METRICS, "val")
     assert validation and validation[-1]["step"] == last["step"]
     config, tensors = read_draft_checkpoint(out / "draft")
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
@@ -636,7 +635,7 @@ def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
     params = dict(epochs=10, checkpoint_every_steps=10, **FAST)
     whole = run_script(inputs.args(tmp_path / "whole", **params))
     assert whole.returncode == 0, whole.stderr
-    expected = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    expected = read_metrics(tmp_path / "whole" / METRICS)
     total = len(expected)
     # the log: loss, per-step agreement, throughput and ETA from the first step on
     first_line = next(line for line in whole.stderr.splitlines() if f"step 1/{total} " in line)
@@ -665,7 +664,7 @@ def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
     resumed = run_script(args)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {state} at step {killed_at}" in resumed.stderr
-    got = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    got = read_metrics(tmp_path / "killed" / METRICS)
     assert [r["step"] for r in got] == list(range(1, total + 1))
     for a, b in zip(got, expected):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), a["step"]
@@ -679,11 +678,11 @@ def test_resume_after_kill_repeats_the_uninterrupted_run(inputs, tmp_path):
 def test_changed_settings_do_not_resume_an_old_state(inputs, tmp_path):
     out = tmp_path / "out"
     train.main(inputs.args(out, epochs=1, checkpoint_every_steps=5, **FAST))
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out / METRICS)
     train.main(
         inputs.args(out, epochs=1, checkpoint_every_steps=5, **{**FAST, "learning_rate": 1e-3})
     )
-    again = read_metrics(out / "metrics.jsonl")
+    again = read_metrics(out / METRICS)
     assert len(again) == len(rows) and again[0]["lr"] != rows[0]["lr"]
 
 
@@ -830,7 +829,7 @@ def test_the_reference_recipe_trains_as_set(inputs, tmp_path):
                   final_norm_init="ones", select_by="validation_loss", fc_norm=True,
                   loss="lk_hybrid", validate_every_steps=5)  # fmt: skip
     train.main(inputs.args(out, epochs=4, checkpoint_every_steps=1000, **{**FAST, **recipe}))
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out / METRICS)
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     assert rows[-1]["lr"] < 0.1 * max(r["lr"] for r in rows)  # linear, towards 0
     config, tensors = read_draft_checkpoint(out / "draft")
@@ -844,8 +843,8 @@ def test_the_reference_recipe_trains_as_set(inputs, tmp_path):
     head = verifier_files.read_tensor(where["lm_head"], rows=t2d).float()
     torch.testing.assert_close(tensors["lm_head.weight"].float(), head)  # frozen
     assert not torch.allclose(tensors["norm.weight"], torch.ones_like(tensors["norm.weight"]))
-    validation = read_metrics(out / "metrics.jsonl", "val")
-    selected = read_metrics(out / "metrics.jsonl", "selected")[-1]
+    validation = read_metrics(out / METRICS, "val")
+    selected = read_metrics(out / METRICS, "selected")[-1]
     assert selected["loss"] == min(v["loss"] for v in validation)
 
 
@@ -856,8 +855,8 @@ def test_two_gloo_processes_train_the_same_model_as_one(inputs, tmp_path):
     two = run_script(inputs.args(tmp_path / "two", num_cpu_processes=2, **common))
     assert two.returncode == 0, two.stderr
     assert "starting 2 training processes" in two.stderr
-    rows_one = read_metrics(tmp_path / "one" / "metrics.jsonl")
-    rows_two = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    rows_one = read_metrics(tmp_path / "one" / METRICS)
+    rows_two = read_metrics(tmp_path / "two" / METRICS)
     assert len(rows_one) == len(rows_two) > 10
     for a, b in zip(rows_one, rows_two):
         assert a["tokens"] == b["tokens"] and a["positions_per_step"] == b["positions_per_step"]
@@ -930,9 +929,9 @@ def test_training_starts_from_an_existing_draft(inputs, tmp_path):
         torch.testing.assert_close(head[i], expected, msg=f"row {i}")
 
     train.main(inputs.args(tmp_path / "warm", init_from=str(published), epochs=1, **FAST))
-    first_cold = read_metrics(cold / "metrics.jsonl")[0]["loss"]
-    last_cold = read_metrics(cold / "metrics.jsonl")[-1]["loss"]
-    first_warm = read_metrics(tmp_path / "warm" / "metrics.jsonl")[0]["loss"]
+    first_cold = read_metrics(cold / METRICS)[0]["loss"]
+    last_cold = read_metrics(cold / METRICS)[-1]["loss"]
+    first_warm = read_metrics(tmp_path / "warm" / METRICS)[0]["loss"]
     assert first_warm < 0.5 * (first_cold + last_cold), (first_cold, first_warm, last_cold)
 
 

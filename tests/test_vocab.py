@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from workflow_scripts.lib.draft.vocab_map import select_vocab
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import VocabParams
+from workflow_scripts.lib.workflow.layout import STATS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def run_vocab(tmp_path, rows, vocab_size, draft_vocab_size):
         "tokenized": tokenized,
         "verifier": verifier,
         "vocab_map": tmp_path / "out" / "vocab_map.safetensors",
-        "stats": tmp_path / "out" / "stats.json",
+        "stats": tmp_path / "out" / STATS,
     }
     args = shlex.split(cli.render("vocab", VocabParams(draft_vocab_size=draft_vocab_size), files))
     proc = subprocess.run(

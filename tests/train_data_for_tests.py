@@ -24,6 +24,7 @@ from workflow_scripts.lib.hidden_states import manifest, shards
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import TrainParams
+from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, Layout
 
 
 def tiny_verifier(
@@ -155,7 +156,7 @@ def write_extraction(
         "num_tokens": sum(int(ids.numel()) for ids, _ in samples),
         "shards": entries,
     }
-    path = out_dir / "manifest.json"
+    path = out_dir / MANIFEST
     path.write_text(json.dumps(record, indent=2))
     return path
 
@@ -185,7 +186,7 @@ class TrainInputs:
             "verifier": self.verifier,
             "state_dir": out / "state",
             "draft": out / "draft",
-            "metrics": out / "metrics.jsonl",
+            "metrics": out / METRICS,
         }
         return shlex.split(cli.render("train", TrainParams(**params), files))
 
@@ -206,7 +207,7 @@ def build_inputs(
         model, verifier, samples, root / "extract", list(aux_ids), shard_size, storage
     )
     vocab_map = write_vocab_map(
-        root / "vocab" / "vocab_map.safetensors", samples, model.config.vocab_size, draft_vocab_size
+        Layout(root).vocab.vocab_map, samples, model.config.vocab_size, draft_vocab_size
     )
     return TrainInputs(verifier, manifest, vocab_map)
 

@@ -156,6 +156,8 @@ def dry_run_in_process(
                 contextlib.redirect_stderr(out),
                 contextlib.redirect_stdout(out),
                 mock.patch.object(environment, "cpu_build", lambda: None),
+                # the command line the checks read the targets from (lib/dryrun.py)
+                mock.patch.object(sys, "argv", ["snakemake", target]),
             ):
                 with SnakemakeApi(OutputSettings(printshellcmds=printshellcmds)) as api:
                     workflow = api.workflow(

@@ -48,7 +48,7 @@ def split_gpus(io, p) -> None:
     if not ep.use_gpus or ENGINE_GPUS in os.environ:
         return
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    need = max(p.num_gpus, ep.gpus) if ep.share_training_gpus else p.num_gpus + ep.gpus
+    need = p.job_gpus(ep)
     if len(visible) < need:
         raise UserError(
             f"train.num_gpus {p.num_gpus} and the engine's {ep.gpus} GPU(s) (extract."

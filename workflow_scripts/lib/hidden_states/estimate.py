@@ -1,7 +1,7 @@
 """The run's size before it starts: from prepare's counts (its ``stats.json``) and the verifier's
 ``config.json``, the verifier tokens extraction computes and the bytes its shards take on disk in
 the configured storage dtype, against the free space where they go. What ``snakemake -n`` prints
-(``rules/common.smk``) once prepare has run; before, one line saying how to get it early.
+(``lib/dryrun.py``) once prepare has run; before, one line saying how to get it early.
 
 The bytes follow the shard layout (``shards.shard_layout``): per token its id, loss mask and the
 auxiliary layers' states (with a float32 scale per layer in float8), per loss-masked token the
@@ -27,6 +27,7 @@ from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
+from workflow_scripts.lib.workflow.layout import Layout
 
 STORAGE_CHOICES = ("float32", "bfloat16", "float8_e4m3fn")  # disk_plan.py's, without torch
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -245,20 +246,19 @@ def early_line(targets: list[str], regenerates: bool, why: str) -> str:
 def dry_run_report(
     cfg,
     targets: list[str],
-    results_dir: Path,
+    layout: Layout,
     verifier_dir: Path,
     chat_data: Path,
-    shard_dir: Path,
 ) -> tuple[list[str], list[str]]:
     """What the dry-run prints for ``targets`` (lines, warnings): the estimate where a target
     extracts and prepare's counts are those of the current settings, else how to get it early;
-    nothing for a target that extracts nothing."""
+    nothing for a target that extracts nothing. ``layout``: the run's results_dir."""
     if not any("extract" in preflight.stages_needed(t) for t in targets):
         return [], []
-    stats = results_dir / "prepare" / "stats.json"
+    stats = layout.prepare.stats
     counts, why = prepared_counts(
         stats,
-        results_dir / "prepare" / "tokenized_data.jsonl",
+        layout.prepare.tokenized,
         chat_data,
         verifier_dir,
         cfg.prepare,
@@ -275,8 +275,8 @@ def dry_run_report(
         counts,
         stats,
         verifier_cfg,
-        results_dir,
-        shard_dir,
-        results_dir / "regenerate" / "stats.json",
+        layout.root,
+        layout.extract.shards,
+        layout.regenerate.stats,
         any("evaluate" in preflight.stages_needed(t) for t in targets),
     )

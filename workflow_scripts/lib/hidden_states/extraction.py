@@ -36,6 +36,7 @@ from workflow_scripts.lib.hidden_states.shards import (
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import made_by, shard_code_fingerprint
+from workflow_scripts.lib.workflow.layout import STATS
 
 log = logging.getLogger("eagle3")
 SHA_SIDECAR = ".sha256.json"  # beside each shard: its checksum, so a reuse does not re-hash it
@@ -248,7 +249,7 @@ def make_plan(io, p) -> Plan:
     if num_samples == 0:
         raise UserError(
             f"tokenized data '{io.tokenized}' is empty: nothing to extract (did the prepare stage "
-            "drop every conversation? see its stats.json)"
+            f"drop every conversation? see {io.tokenized.parent / STATS})"
         )
     common = {
         "format_version": FORMAT_VERSION,

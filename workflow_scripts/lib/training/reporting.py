@@ -37,7 +37,6 @@ from workflow_scripts.lib.workflow.definitions import TrainParams
 
 log = logging.getLogger("eagle3")
 
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD, WANDB = "tensorboard", "wandb"
 
 

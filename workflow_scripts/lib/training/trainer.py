@@ -42,7 +42,6 @@ from workflow_scripts.lib.training.data import (
 )
 from workflow_scripts.lib.training.inputs import Inputs
 from workflow_scripts.lib.training.processes import Dist
-from workflow_scripts.lib.training.reporting import METRICS_FILE
 from workflow_scripts.lib.training.setup import (
     build_draft,
     fmt_list,
@@ -56,6 +55,7 @@ from workflow_scripts.lib.training.setup import (
 )
 from workflow_scripts.lib.training.stream import Stream
 from workflow_scripts.lib.workflow.definitions import TrainParams
+from workflow_scripts.lib.workflow.layout import METRICS
 from workflow_scripts.lib.workflow.registry import TrainIO
 
 log = logging.getLogger("eagle3")
@@ -179,7 +179,7 @@ class Trainer:
         path = self.state_dir / STATE_FILE
         if not path.exists():
             if self.d.main:
-                reporting.keep_rows(self.state_dir / METRICS_FILE, -1)
+                reporting.keep_rows(self.state_dir / METRICS, -1)
                 self._forget_best()
             self.d.barrier()
             return
@@ -192,7 +192,7 @@ class Trainer:
                     path,
                 )
                 path.unlink()
-                reporting.keep_rows(self.state_dir / METRICS_FILE, -1)
+                reporting.keep_rows(self.state_dir / METRICS, -1)
                 self._forget_best()
             self.d.barrier()
             return
@@ -218,7 +218,7 @@ class Trainer:
             ):
                 self.best = None  # from other settings, or past the resumed step: made again
         if self.d.main:
-            reporting.keep_rows(self.state_dir / METRICS_FILE, self.step)
+            reporting.keep_rows(self.state_dir / METRICS, self.step)
             log.info("resumed from %s at step %d of %d", path, self.step, self.plan.total_steps)
         self.d.barrier()
 
@@ -252,7 +252,7 @@ class Trainer:
 
     def write_metrics(self, row: dict) -> None:
         if self.d.main:
-            reporting.append_row(self.state_dir / METRICS_FILE, row)
+            reporting.append_row(self.state_dir / METRICS, row)
             if self.report is not None:
                 self.report.log(row)
 
@@ -346,7 +346,7 @@ class Trainer:
         p, d = self.p, self.d
         self.restore_state()
         if d.main and p.report_to:  # beside the metrics output: <results_dir>/train
-            rows = reporting.read_rows(self.state_dir / METRICS_FILE)
+            rows = reporting.read_rows(self.state_dir / METRICS)
             root = Path(self.io.metrics).parent
             self.report = reporting.Reporter(p, root, self.run_id, self.step, rows)
         if self.stream is not None:
@@ -425,7 +425,7 @@ class Trainer:
     def write_outputs(self) -> None:
         """The draft (the best validation's weights; the last step's without a held-out split)
         and the metrics, ending with a ``selected`` row: the validation the draft is from."""
-        metrics = (self.state_dir / METRICS_FILE).read_bytes()
+        metrics = (self.state_dir / METRICS).read_bytes()
         if self.best is not None:
             if self.best["step"] != self.step:
                 weights = torch.load(self.state_dir / BEST_FILE, map_location="cpu")

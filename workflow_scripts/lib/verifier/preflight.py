@@ -1,5 +1,5 @@
 """Checks of the settings against the verifier's files and this machine, from one place: run by
-``snakemake -n`` (``rules/common.smk``, whenever the verifier directory exists; a stage no
+``snakemake -n`` (``lib/dryrun.py``, whenever the verifier directory exists; a stage no
 requested target needs only warns) and again by each job before its model loads (a script may be
 run by hand, bypassing the config). Each failure names the config key to change. No torch, no
 transformers: the dry-run stays within seconds.
@@ -248,12 +248,12 @@ def gpu_asks(cfg) -> dict[str, int]:
 
     asks = dict([engine("extract"), ("train.num_gpus", cfg.train.num_gpus), engine("evaluate")])
     if cfg.extract.disk_budget is not None and cfg.extract.gpus:  # the engine runs with training
-        key, n = engine("extract")
+        key, _ = engine("extract")
         if cfg.extract.share_training_gpus:
-            asks["train.num_gpus"] = max(cfg.train.num_gpus, n)
+            asks["train.num_gpus"] = cfg.train.job_gpus(cfg.extract)
         else:
             del asks["train.num_gpus"]
-            asks[f"train.num_gpus + {key} (extract.disk_budget)"] = cfg.train.num_gpus + n
+            asks[f"train.num_gpus + {key} (extract.disk_budget)"] = cfg.train.job_gpus(cfg.extract)
     if cfg.regenerate.enabled:
         asks.update([engine("regenerate")])
     return asks

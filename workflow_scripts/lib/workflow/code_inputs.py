@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
+import os
 import sys
 from functools import lru_cache
 from pathlib import Path
+
+from workflow_scripts.lib.common import atomic_path
 
 PACKAGE = "workflow_scripts"
 ROOT = Path(__file__).resolve().parents[3]  # the directory holding the package
@@ -225,6 +229,45 @@ def stage_fingerprint(stage: str, root: Path = ROOT, versions: dict[str, str] | 
     return with_versions(
         code_fingerprint(closure(spec.module, root), stage, root), spec.packages, versions
     )
+
+
+def code_file(
+    stage: str, directory: Path, root: Path = ROOT, versions: dict[str, str] | None = None
+) -> Path:
+    """Stage ``stage``'s fingerprint as a file in ``directory`` named by it (with the modules and
+    versions it covers): an input of the stage's rules (rules/common.smk: ``stage_code``), so
+    that a change to it reruns the stage and what follows (a new file: Snakemake's input and
+    mtime triggers) and no other edit does. A file once written is never rewritten, so that code
+    edited and then restored reruns nothing; it is dated as its newest module, not when it was
+    first seen, so that outputs made after that code are not older than it."""
+    from workflow_scripts.lib.workflow.registry import STAGES
+
+    fingerprint = stage_fingerprint(stage, root, versions)
+    path = Path(directory) / f"{stage}-{fingerprint[:16]}.json"
+    if not path.exists():
+        spec = STAGES[stage]
+        found = installed_versions(spec.packages) if versions is None else versions
+        record = {
+            "stage": stage,
+            "fingerprint": fingerprint,
+            "versions": {p: found[p] for p in spec.packages if p in found},
+            "modules": list(closure(spec.module, root)),
+        }
+        newest = max(p.stat().st_mtime for p in closure_files(spec.module, root))
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.utime(tmp, (newest, newest))
+    return path
+
+
+def job_versions(conda: bool, gpus: bool, root: Path = ROOT) -> dict[str, str] | None:
+    """The versions of the packages the jobs run with: None (the installed ones) where they run
+    Snakemake's own Python; under --sdm conda, the pins of the lock its environment installs
+    (envs/workflow-gpu.yaml the GPU lock, for a run that uses GPUs)."""
+    if not conda:
+        return None
+    lock = "requirements-gpu.lock" if gpus else "requirements-cpu.lock"
+    return locked_versions(root / "envs" / lock)
 
 
 # What computes and writes hidden-state shards, in extraction and in a disk budget's engine:

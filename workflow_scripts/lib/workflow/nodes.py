@@ -55,6 +55,17 @@ def launch(python: str, n: int, command: str, key: str, meet_dir=None, gpus: int
     return f"{python} -m workflow_scripts.lib.workflow.nodes {shlex.join(args)} -- {command}"
 
 
+def node_resources(nodes: int, gpus_per_node: int) -> dict:
+    """A GPU rule's resources besides ``gpu`` (the job's total): one node, or ``nodes`` whole
+    nodes for one SLURM job with ``gpus_per_node`` GPUs on each (gres is per node), the command
+    run once on the first node (mpi: the executor adds no srun of its own) and started on the
+    others by the nodes launcher (``launch``: srun, one task per node)."""
+    if nodes == 1:
+        return dict(nodes=1)
+    gres = dict(gres=f"gpu:{gpus_per_node}") if gpus_per_node else {}
+    return dict(nodes=nodes, tasks=nodes, mpi="srun") | gres
+
+
 def log(msg: str) -> None:
     print(f"nodes: {msg}", file=sys.stderr, flush=True)
 

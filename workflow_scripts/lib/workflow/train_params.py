@@ -88,6 +88,16 @@ class TrainParams(StageParams):
         """Training processes on each node: one per GPU, or num_cpu_processes on the CPU."""
         return self.num_gpus if self.num_gpus > 0 else self.num_cpu_processes
 
+    def job_gpus(self, extract) -> int:
+        """The GPUs each node of the train job reserves: training's, and with extract.disk_budget
+        the engine's beside them (``extract``: the extract settings), or the larger of the two
+        where extract.share_training_gpus (the one place this sum is made)."""
+        if extract.disk_budget is None:
+            return self.num_gpus
+        if extract.share_training_gpus:
+            return max(self.num_gpus, extract.gpus)
+        return self.num_gpus + extract.gpus
+
     EXECUTION = {
         "checkpoint_every_steps": "when the resumable state is saved; a resumed run repeats "
         "the uninterrupted one's steps exactly",
