@@ -37,7 +37,7 @@ from workflow_scripts.lib.training.data import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
-from workflow_scripts.lib.verifier.files import identity as verifier_identity  # noqa: E402
+from tests import factories  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
 from workflow_scripts.lib.workflow.registry import TrainIO  # noqa: E402
 from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, Layout
@@ -76,7 +76,7 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
     aux_ids = [2, layers // 2, layers - 3]
     extract = root / "extract"
     extract.mkdir()
-    entries, start = [], 0
+    paths, start = [], 0
     while start < num_samples:
         samples = []
         for _ in range(min(256, num_samples - start)):
@@ -91,25 +91,11 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
                     mask,
                 )
             )
-        path = extract / manifest.shard_name(len(entries))
-        entries.append(shards.write_shard(path, samples, start, fingerprint=f"bench-{start}"))
+        path = extract / manifest.shard_name(len(paths))
+        shards.write_shard(path, samples, start, fingerprint=f"bench-{start}")
+        paths.append(path)
         start += len(samples)
-    record = {
-        "format_version": manifest.FORMAT_VERSION,
-        "layer_convention": manifest.LAYER_CONVENTION,
-        "aux_layer_ids": aux_ids,
-        "final_layer_id": layers,
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "dtype": "float32",
-        "verifier": {"path": str(verifier), **verifier_identity(verifier)},
-        "tokenized": {"path": "synthetic", "sha256": "0" * 64},
-        "vocab_size": vocab,
-        "num_samples": num_samples,
-        "num_tokens": sum(e["num_tokens"] for e in entries),
-        "shards": entries,
-    }
-    (extract / MANIFEST).write_text(json.dumps(record))
+    factories.manifest(paths, extract, verifier, aux_ids, shard_size=256).write(extract / MANIFEST)
     selected = torch.arange(k)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[selected] = True

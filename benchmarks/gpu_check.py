@@ -164,8 +164,8 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
 
+    from tests import factories
     from workflow_scripts.lib.hidden_states import manifest, shards
-    from workflow_scripts.lib.verifier import files as verifier_files
 
     s = shape(verifier, small)
     H, V, tokens = s["hidden"], s["vocab"], s["tokens"]
@@ -185,7 +185,7 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
     extract = out / "extract"
     extract.mkdir(parents=True, exist_ok=True)
     mix = torch.randn(3, generator=g).softmax(0)
-    entries = []
+    paths = []
     for i in range(SAMPLES):
         aux = torch.randn(tokens, 3, H, generator=g)
         final = (aux * mix[None, :, None]).sum(1) * 4  # learnable from the auxiliary states
@@ -193,26 +193,12 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
         mask = torch.ones(tokens, dtype=torch.uint8)
         sample = shards.SampleStates(aux.to(torch.bfloat16), final.to(torch.bfloat16), ids, mask)
         path = extract / manifest.shard_name(i)
-        entries.append(
-            shards.write_shard(path, [sample], i, fingerprint=f"gpu-check-{i}", storage=storage)
-        )
-    record = {
-        "format_version": manifest.FORMAT_VERSION,
-        "layer_convention": manifest.LAYER_CONVENTION,
-        "aux_layer_ids": [2, s["layers"] // 2, s["layers"] - 3],
-        "final_layer_id": s["layers"],
-        "hidden_size": H,
-        "num_hidden_layers": s["layers"],
-        "vocab_size": V,
-        "dtype": "bfloat16",
-        "storage_dtype": "float8_e4m3fn" if storage is not None else "bfloat16",
-        "verifier": {"path": str(vdir), **verifier_files.identity(vdir)},
-        "tokenized": {"path": "synthetic", "sha256": "0" * 64},
-        "num_samples": SAMPLES,
-        "num_tokens": SAMPLES * tokens,
-        "shards": entries,
-    }
-    (extract / MANIFEST).write_text(json.dumps(record, indent=2))
+        shards.write_shard(path, [sample], i, fingerprint=f"gpu-check-{i}", storage=storage)
+        paths.append(path)
+    aux_ids = [2, s["layers"] // 2, s["layers"] - 3]
+    stored = "float8_e4m3fn" if storage is not None else "bfloat16"
+    record = factories.manifest(paths, extract, vdir, aux_ids, "bfloat16", stored, shard_size=1)
+    record.write(extract / MANIFEST)
     draft_vocab = s["draft_vocab"]
     selected = torch.randperm(V, generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -221,7 +207,7 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
         {"d2t": selected - torch.arange(draft_vocab), "t2d": t2d},
         str(out / "vocab_map.safetensors"),
     )
-    shard_bytes = sum((extract / e["file"]).stat().st_size for e in entries)
+    shard_bytes = record.bytes
     return {
         "verifier": verifier_config(verifier, s)["architectures"][0],
         "samples": SAMPLES,
@@ -229,7 +215,7 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
         "hidden_size": H,
         "vocab_size": V,
         "draft_vocab_size": draft_vocab,
-        "storage_dtype": record["storage_dtype"],
+        "storage_dtype": record.storage_dtype,
         "shard_bytes_per_token": round(shard_bytes / (SAMPLES * tokens), 1),
     }
 
@@ -770,10 +756,10 @@ class Workflow:
         plan = disk_budget.load_stream_plan(plan_path)
         stream = self.results / "extract" / "stream"
         bp, _, _, _ = disk_budget.budget_plan(plan, cfg.train, 10**15, 1, stream)
-        budget = bp.minimum + max(s["bytes"] for s in plan["shards"])
+        budget = bp.minimum + max(s.bytes for s in plan.shards)
         return budget, {
-            "shards": len(plan["shards"]),
-            "set_bytes": plan["bytes"],
+            "shards": len(plan.shards),
+            "set_bytes": plan.bytes,
             "least_budget_bytes": bp.minimum,
             "budget_bytes": budget,
         }

@@ -22,12 +22,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tests import factories  # noqa: E402
+from workflow_scripts.lib.hidden_states.records import StreamPlan  # noqa: E402
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout  # noqa: E402
 from workflow_scripts.lib.training import disk_budget  # noqa: E402
 from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
 
 
-def synthetic_plan(args, cfg) -> dict:
+def synthetic_plan(args, cfg) -> StreamPlan:
     rng = np.random.default_rng(0)
     n = int(args.tokens // args.sample_tokens)
     lengths = rng.integers(args.sample_tokens // 2, args.sample_tokens * 3 // 2, n)
@@ -60,21 +62,29 @@ def synthetic_plan(args, cfg) -> dict:
                 "fingerprint": str(i),
             }
         )
-    return {
-        "kind": "stream_plan",
+    header = {
+        **factories.HEADER,
         "num_hidden_layers": args.num_layers,
+        "final_layer_id": args.num_layers,
         "hidden_size": args.hidden_size,
         "vocab_size": 1,
         "aux_layer_ids": [2, args.num_layers // 2, args.num_layers - 3],
         "dtype": "bfloat16",
         "storage_dtype": storage,
-        "verifier": {"path": "verifier"},
-        "key": {"dtype": "bfloat16"},
-        "num_samples": n,
         "shard_size_samples": size,
-        "bytes": sum(s["bytes"] for s in shards),
-        "shards": shards,
+        "num_shards": len(shards),
     }
+    return StreamPlan(
+        **header,
+        kind="stream_plan",
+        key={"dtype": "bfloat16"},
+        num_samples=n,
+        num_tokens=sum(s["num_tokens"] for s in shards),
+        num_skipped_too_long=0,
+        skipped_too_long=[],
+        bytes=sum(s["bytes"] for s in shards),
+        shards=shards,
+    )
 
 
 def main() -> None:
@@ -96,11 +106,11 @@ def main() -> None:
     raw["verifier"] = None
     cfg = load_config(raw)
     plan = synthetic_plan(args, cfg)
-    tokens = sum(s["num_tokens"] for s in plan["shards"])
+    tokens = plan.num_tokens
     print(
-        f"{plan['num_samples']:,} samples, {tokens:,} tokens in {len(plan['shards'])} shards of "
-        f"{cfg.extract.shard_size_samples}: {plan['bytes'] / 1e12:.2f} TB of hidden states in "
-        f"{plan['storage_dtype']} ({plan['bytes'] / tokens / 1e3:.1f} KB per token); "
+        f"{plan.num_samples:,} samples, {tokens:,} tokens in {len(plan.shards)} shards of "
+        f"{cfg.extract.shard_size_samples}: {plan.bytes / 1e12:.2f} TB of hidden states in "
+        f"{plan.storage_dtype} ({plan.bytes / tokens / 1e3:.1f} KB per token); "
         f"train.shuffle_window_shards {cfg.train.shuffle_window_shards}, {cfg.train.epochs} epochs"
     )
     costs = disk_budget.plan_costs(plan, cfg.train, cfg.extract, Path("."))

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workflow_scripts.lib.hidden_states.manifest import FORMAT_VERSION
+from tests import factories
+from workflow_scripts.lib.hidden_states.records import ShardEntry
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.code_inputs import closure, direct_imports, module_file
 from workflow_scripts.lib.workflow.definitions import DataParams, VocabParams
@@ -305,14 +306,12 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
         return {"mixture": tmp / "chat_data.jsonl", "stats": tmp / STATS}
     if stage == "extract_merge":
         (tmp / "shard_000000.safetensors").write_bytes(b"0123")
-        part = {
-            "format_version": FORMAT_VERSION, "num_jobs": 1, "num_shards": 1, "kind": "extract_part",
-            "job_index": 0, "shard_indices": [0], "num_samples": 1, "num_tokens": 4,
-            "num_skipped_too_long": 0, "skipped_too_long": [],
-            "shards": [{"index": 0, "file": "shard_000000.safetensors", "bytes": 4,
-                        "num_samples": 1, "num_tokens": 4}],
-        }  # fmt: skip
-        (tmp / "part_0.json").write_text(json.dumps(part))
+        shard = ShardEntry(
+            file="shard_000000.safetensors", sample_start=0, num_samples=1, num_tokens=4,
+            num_loss_tokens=3, bytes=4, sha256="0" * 64, index=0, sample_end=1, num_skipped=0,
+            fingerprint="f",
+        )  # fmt: skip
+        factories.part(shards=[shard]).write(tmp / "part_0.json")
         return {"parts": [tmp / "part_0.json"], "manifest": tmp / MANIFEST}
     assert stage == "regenerate_merge"
     (tmp / "batches").mkdir()

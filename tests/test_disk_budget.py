@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 import yaml
 
+from tests import factories
 from tests.workflow_runner import dry_run_in_process
 from workflow_scripts.lib.common import UserError, sha256_file
 from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.records import ExtractPart, StreamPlan
 from workflow_scripts.lib.hidden_states.stream import used_bytes
 from workflow_scripts.lib.training import disk_budget
 from workflow_scripts.lib.training.data import Plan
@@ -38,7 +40,7 @@ PY = sys.executable
 # --------------------------------------------------------------------------- the plan
 
 
-def fake_stream_plan(num_shards: int, per_shard: int, seed: int = 0) -> dict:
+def fake_stream_plan(num_shards: int, per_shard: int, seed: int = 0) -> StreamPlan:
     """A stream plan as extract_plan writes it, for shards of ``per_shard`` samples."""
     rng = np.random.default_rng(seed)
     shards, line = [], 0
@@ -57,20 +59,18 @@ def fake_stream_plan(num_shards: int, per_shard: int, seed: int = 0) -> dict:
             }
         )
         line += per_shard
-    return {
-        "kind": "stream_plan",
-        "num_hidden_layers": 4,
-        "hidden_size": 8,
-        "vocab_size": 100,
-        "aux_layer_ids": [1, 2, 3],
-        "dtype": "float32",
-        "storage_dtype": "float32",
-        "verifier": {"path": "/v"},
-        "key": {"data_sha256": "d", "dtype": "float32"},
-        "num_samples": line,
-        "shard_size_samples": per_shard,
-        "shards": shards,
-    }
+    header = {**factories.HEADER, "num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 100}
+    return StreamPlan(
+        **header | {"shard_size_samples": per_shard, "num_shards": num_shards},
+        kind="stream_plan",
+        key={"data_sha256": "d", "dtype": "float32"},
+        num_samples=line,
+        num_tokens=sum(s["num_tokens"] for s in shards),
+        num_skipped_too_long=0,
+        skipped_too_long=[],
+        bytes=sum(s["bytes"] for s in shards),
+        shards=shards,
+    )
 
 
 def simulate(bp: disk_budget.BudgetPlan, total: int) -> int:
@@ -106,7 +106,7 @@ def simulate(bp: disk_budget.BudgetPlan, total: int) -> int:
 def test_a_budget_is_never_exceeded_and_never_waits_forever(window):
     stream_plan = fake_stream_plan(12, 16)
     p = TrainParams(epochs=3, micro_batch_budget_tokens=256, shuffle_window_shards=window, seed=3)
-    whole = sum(s["bytes"] for s in stream_plan["shards"])
+    whole = sum(s.bytes for s in stream_plan.shards)
     least = None
     for budget in (0, None, whole // 4, whole // 2, whole * 2):
         budget = least if budget is None else budget
@@ -131,7 +131,7 @@ def test_a_budget_is_never_exceeded_and_never_waits_forever(window):
 def test_without_a_window_every_step_reads_every_shard_and_the_refusal_says_so():
     stream_plan = fake_stream_plan(6, 16)
     p = TrainParams(epochs=2, micro_batch_budget_tokens=256)
-    whole = sum(s["bytes"] for s in stream_plan["shards"])
+    whole = sum(s.bytes for s in stream_plan.shards)
     bp, _, _, _ = disk_budget.budget_plan(stream_plan, p, whole // 3, 1, Path("/tmp"))
     assert bp.minimum >= 0.9 * whole  # every shard is live through the whole epoch
     with pytest.raises(UserError, match="set it"):
@@ -241,7 +241,7 @@ def unbounded(mechanics_build, tmp_path_factory):
     proc = run(render("extract", b.extract, files))
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = b.out / MANIFEST
-    manifest.write_text(json.dumps(merge_parts([(part, json.loads(part.read_text()))], manifest)))
+    merge_parts([(part, ExtractPart.read(part))], manifest).write(manifest)
     b.plan = b.out / STREAM_PLAN
     files = dict(tokenized=b.tokenized, verifier=b.verifier, shard_dir=b.out / "s", plan=b.plan)
     proc = run(render("extract_plan", b.extract, files))
@@ -281,8 +281,8 @@ def wait_for(predicate, proc, timeout=300):
 @pytest.mark.engine
 def test_within_a_budget_the_draft_is_the_unbounded_ones_after_kills(unbounded):
     b, expected = unbounded
-    plan = json.loads(b.plan.read_text())
-    sizes = sorted(s["bytes"] for s in plan["shards"])
+    plan = StreamPlan.read(b.plan)
+    sizes = sorted(s.bytes for s in plan.shards)
     stream, out = b.out / "stream", b.out / "streamed"
     bp, _, _, _ = disk_budget.budget_plan(plan, b.train, 10**15, 1, stream)
     budget = bp.minimum + sizes[-1]  # room for one shard more than the least: some kept
@@ -395,8 +395,8 @@ def test_a_budget_the_disk_cannot_hold_is_refused_before_the_engine_starts(tmp_p
     from workflow_scripts.lib.training.stream import Stream, StreamedIndex
 
     stream_plan = fake_stream_plan(6, 16)
-    for shard in stream_plan["shards"]:
-        shard["bytes"] = 10**18  # an exabyte a shard: more than any disk here
+    for shard in stream_plan.shards:
+        shard.bytes = 10**18  # an exabyte a shard: more than any disk here
     directory = tmp_path / "stream"
     engine = render("extract_stream", ExtractParams(disk_budget="100000000TB"), {
         "tokenized": tmp_path / "t.jsonl", "verifier": tmp_path / "v", "shard_dir": directory,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests import factories
 from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
@@ -25,6 +26,7 @@ from tests.workflow_runner import copy_workflow, planned_in_process, snakemake
 from workflow_scripts.lib.common import UserError, sha256_file
 from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, load_manifest
 from workflow_scripts.lib.hidden_states.manifest import merge_parts as merge
+from workflow_scripts.lib.hidden_states.records import ExtractPart, Manifest
 from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
 from workflow_scripts.lib.hidden_states.shards import ShardReader, read_positions, shard_fingerprint
 from workflow_scripts.lib.workflow import cli
@@ -129,18 +131,17 @@ def run_job(
     return proc
 
 
-def merged(out: Path, num_jobs: int) -> dict:
+def merged(out: Path, num_jobs: int) -> Manifest:
     parts = [out / "parts" / f"part_{j}.json" for j in range(num_jobs)]
-    manifest = merge([(p, json.loads(p.read_text())) for p in parts], out / MANIFEST)
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    merge([(p, ExtractPart.read(p)) for p in parts], out / MANIFEST).write(out / MANIFEST)
     return load_manifest(out / MANIFEST, verify_checksums=True)
 
 
-def tensors(manifest: dict) -> dict[str, torch.Tensor]:
+def tensors(manifest: Manifest) -> dict[str, torch.Tensor]:
     """All samples of a manifest, concatenated per tensor."""
     out: dict[str, list[torch.Tensor]] = {}
-    for entry in manifest["shards"]:
-        reader = ShardReader(Path(entry["path"]))
+    for entry in manifest.shards:
+        reader = ShardReader(Path(entry.path))
         for i in range(len(reader)):
             s = reader.sample(i)
             for name in ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask"):
@@ -212,34 +213,34 @@ def test_killed_job_resumes_only_unfinished_shards(resumed):
     assert not list(shard_dir.glob(".shard_*.tmp-*"))
     assert not list(shard_dir.glob(".requests-job*"))
     manifest = resumed["manifest"]
-    assert [e["index"] for e in manifest["shards"]] == list(range(8))
-    for entry in manifest["shards"]:
-        assert shard_fingerprint(Path(entry["path"])) == entry["fingerprint"]
+    assert [e.index for e in manifest.shards] == list(range(8))
+    for entry in manifest.shards:
+        assert shard_fingerprint(Path(entry.path)) == entry.fingerprint
 
 
 @pytest.mark.engine
 def test_manifest_records_layers_verifier_and_skips(resumed, world):
     _, verifier, tokenized = world
     m = resumed["manifest"]
-    assert m["aux_layer_ids"] == [2, 4, 5] and m["final_layer_id"] == LAYERS
-    assert m["layer_convention"] == LAYER_CONVENTION
-    assert m["dtype"] == "float32" and m["hidden_size"] == 128 and m["num_hidden_layers"] == LAYERS
-    assert m["verifier"]["config_sha256"] == sha256_file(verifier / "config.json")
-    assert m["tokenized"]["sha256"] == sha256_file(tokenized)
-    assert m["num_skipped_too_long"] == 1 and m["skipped_too_long"] == [21]
-    assert m["num_samples"] == len(LENGTHS) - 1
-    assert m["num_tokens"] == sum(LENGTHS) - LENGTHS[21]
+    assert m.aux_layer_ids == [2, 4, 5] and m.final_layer_id == LAYERS
+    assert m.layer_convention == LAYER_CONVENTION
+    assert m.dtype == "float32" and m.hidden_size == 128 and m.num_hidden_layers == LAYERS
+    assert m.verifier.config_sha256 == sha256_file(verifier / "config.json")
+    assert m.tokenized.sha256 == sha256_file(tokenized)
+    assert m.num_skipped_too_long == 1 and m.skipped_too_long == [21]
+    assert m.num_samples == len(LENGTHS) - 1
+    assert m.num_tokens == sum(LENGTHS) - LENGTHS[21]
     t = tensors(m)
     rows = [json.loads(line) for line in tokenized.read_text().splitlines()]
     kept = [r for i, r in enumerate(rows) if i != 21]
     assert t["input_ids"].tolist() == [x for r in kept for x in r["input_ids"]]
     assert t["loss_mask"].tolist() == [x for r in kept for x in r["loss_mask"]]
-    assert t["aux_hidden_states"].shape == (m["num_tokens"], 3, 128)
-    assert t["final_hidden_states"].shape == (m["num_tokens"], 128)
+    assert t["aux_hidden_states"].shape == (m.num_tokens, 3, 128)
+    assert t["final_hidden_states"].shape == (m.num_tokens, 128)
     # the shard metadata carries the layers and their convention too
     from safetensors import safe_open
 
-    with safe_open(m["shards"][0]["path"], framework="pt") as fh:
+    with safe_open(m.shards[0].path, framework="pt") as fh:
         meta = fh.metadata()
     assert json.loads(meta["aux_layer_ids"]) == [2, 4, 5] and meta["final_layer_id"] == "8"
     assert meta["layer_convention"] == LAYER_CONVENTION
@@ -250,16 +251,16 @@ def test_bytes_per_token_near_floor(resumed):
     """The floor: 3 aux layers x hidden x float32 per token, and the final state where the loss
     reads it (before each assistant token)."""
     m = resumed["manifest"]
-    floor = 3 * 128 * 4 * m["num_tokens"]
+    floor = 3 * 128 * 4 * m.num_tokens
     final_rows = 0
-    for entry in m["shards"]:
-        reader = ShardReader(Path(entry["path"]))
+    for entry in m.shards:
+        reader = ShardReader(Path(entry.path))
         final_rows += sum(
             len(read_positions(reader.sample(i).loss_mask)) for i in range(len(reader))
         )
     floor += final_rows * 128 * 4
-    assert final_rows < 0.6 * m["num_tokens"]  # random masks: about half the positions
-    assert floor <= m["bytes"] <= floor * 1.02
+    assert final_rows < 0.6 * m.num_tokens  # random masks: about half the positions
+    assert floor <= m.bytes <= floor * 1.02
 
 
 @pytest.mark.engine
@@ -268,9 +269,7 @@ def test_finished_job_reruns_without_loading_the_model(resumed):
     assert "nothing to compute: the model is not loaded" in proc.stderr
     assert "8 finished already, 0 to compute" in proc.stderr
     part = json.loads(Path(resumed["files"]["part"]).read_text())
-    assert [e["sha256"] for e in part["shards"]] == [
-        e["sha256"] for e in resumed["manifest"]["shards"]
-    ]
+    assert [e["sha256"] for e in part["shards"]] == [e.sha256 for e in resumed["manifest"].shards]
 
 
 # --------------------------------------------------------------------------- reference backend
@@ -325,8 +324,8 @@ def test_tensor_parallel_extraction_equals_one_worker(resumed, world, tmp_path):
     lines = [line.split() for line in writes.read_text().splitlines()]
     assert len({pid for pid, _, _ in lines}) == 1, "more than one worker wrote"
     requests = [req for _, req, _ in lines]
-    assert len(requests) == len(set(requests)) == resumed["manifest"]["num_samples"]
-    assert sum(int(n) for _, _, n in lines) == resumed["manifest"]["num_tokens"]
+    assert len(requests) == len(set(requests)) == resumed["manifest"].num_samples
+    assert sum(int(n) for _, _, n in lines) == resumed["manifest"].num_tokens
     assert "2 local" not in proc.stderr  # no NUMA binding failure
 
 
@@ -360,13 +359,13 @@ def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
     assert [e["index"] for e in parts[1]["shards"]] == [1, 3, 5, 7]
     two = load_manifest(out / MANIFEST, verify_checksums=True)
     one = resumed["manifest"]
-    for a, b in zip(one["shards"], two["shards"], strict=True):
+    for a, b in zip(one.shards, two.shards, strict=True):
         for key in ("index", "fingerprint", "sample_start", "num_samples", "num_tokens"):
-            assert a[key] == b[key]
+            assert getattr(a, key) == getattr(b, key)
     ta, tb = tensors(one), tensors(two)
     for name in ta:
         assert (ta[name].double() - tb[name].double()).abs().max().item() <= 1e-5, name
-    assert two["skipped_too_long"] == [21]
+    assert two.skipped_too_long == [21]
     log = (work / "results" / "logs" / "extract" / "job_1.log").read_text()
     assert "samples/s" in log and "tokens/s" in log and "ETA" in log
     # nothing changed: nothing to do
@@ -532,15 +531,8 @@ def test_shard_writer_streams_out_of_order(tmp_path, dtype):
 
 
 def test_merge_refuses_parts_of_different_runs(tmp_path):
-    base = {
-        "format_version": 1,
-        "num_jobs": 2,
-        "num_shards": 2,
-        "dtype": "float32",
-        "skipped_too_long": [],
-    }
-    a = {**base, "job_index": 0, "shard_indices": [0], "shards": []}
-    b = {**base, "job_index": 1, "shard_indices": [1], "shards": [], "dtype": "bfloat16"}
+    a = factories.part(0, 2, num_shards=2)
+    b = factories.part(1, 2, num_shards=2, dtype="bfloat16")
     with pytest.raises(UserError, match="disagree on dtype"):
         merge([(tmp_path / "a.json", a), (tmp_path / "b.json", b)], tmp_path / "m.json")
     with pytest.raises(UserError, match="expected one for each of 0..1"):

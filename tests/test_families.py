@@ -35,6 +35,7 @@ from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.train_data_for_tests import TrainInputs, write_vocab_map
 from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.records import ExtractPart
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import ExtractParams
@@ -155,8 +156,7 @@ def extract(verifier: Path, tokenized: Path, out: Path, backend: str) -> Path:
     proc = run_stage("workflow_scripts.stages.extract", args, out.parent)
     assert proc.returncode == 0, proc.stderr[-6000:]
     part = out / "parts" / "part_0.json"
-    manifest = merge_parts([(part, json.loads(part.read_text()))], out / MANIFEST)
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    merge_parts([(part, ExtractPart.read(part))], out / MANIFEST).write(out / MANIFEST)
     return out / MANIFEST
 
 
@@ -277,16 +277,16 @@ def test_a_teacher_that_is_not_the_verifiers_stops_training(family, tmp_path):
     where = verifier_files.locate_tensors(verifier, vcfg)
     norm, head = (verifier_files.read_tensor(where[k]).float() for k in ("norm", "lm_head"))
     eps = vcfg["rms_norm_eps"]
-    shards = load_manifest(manifest)
+    m = load_manifest(manifest)
     right = verify(
-        shards, TeacherHead(norm, head, eps, head, spec=HeadSpec.of(vcfg)), "cpu", verifier
+        m, m.shards, TeacherHead(norm, head, eps, head, spec=HeadSpec.of(vcfg)), "cpu", verifier
     )
     assert right["checked"] >= 10 and right["agree"] == right["checked"], right
     with pytest.raises(
         UserError,
         match=r"agrees with the verifier's own next-token choice .* at only \d+ of \d+ positions \(position \d+: verifier \d+, teacher \d+",
     ):
-        verify(shards, TeacherHead(norm, head, eps, head), "cpu", verifier)
+        verify(m, m.shards, TeacherHead(norm, head, eps, head), "cpu", verifier)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from tests.workflow_runner import (
     snakemake,
     write_config,
 )
+from workflow_scripts.lib.hidden_states.records import ExtractPart, Manifest
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.layout import RESULTS, STATS, Layout
 
@@ -64,6 +65,17 @@ def test_evaluation_results(full_build):
     log = (work / "results" / "logs" / "train.log").read_text()
     agree, checked = map(int, re.search(r"teacher check: .* at (\d+) of (\d+)", log).groups())
     assert checked >= 10 and agree == checked, log[-2000:]
+
+
+def test_the_records_extraction_writes_are_their_typed_records_byte_for_byte(mechanics_build):
+    """The part and the manifest the built workflow wrote read as their records
+    (lib/hidden_states/records.py) and written back are the same bytes: the records are the
+    format, not a view of some of its keys."""
+    work, _ = mechanics_build
+    extract = Layout(work / "results").extract
+    for record, path in ((ExtractPart, extract.part(0)), (Manifest, extract.manifest)):
+        text = json.dumps(record.read(path).model_dump(mode="json", exclude_unset=True), indent=2)
+        assert text + "\n" == path.read_text(), path
 
 
 def test_report(mechanics_build, tmp_path):

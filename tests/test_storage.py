@@ -26,7 +26,7 @@ from tests.train_data_for_tests import build_inputs
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.hidden_states import disk_plan, shards
 from workflow_scripts.lib.hidden_states.extraction import make_plan, part_manifest
-from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.manifest import load_manifest, merge_parts
 from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
 from workflow_scripts.lib.training.data import SampleIndex
 from workflow_scripts.lib.workflow.definitions import ExtractParams
@@ -204,21 +204,21 @@ def test_manifest_sums_the_jobs_disk_plans(world, tmp_path):
                 "sample_start": s.start,
                 "num_samples": len(s.samples),
                 "num_tokens": s.num_tokens,
+                "num_loss_tokens": s.final_rows,
                 "bytes": plan.shard_bytes(s),
                 "sha256": "0" * 64,
             }
-        part = part_manifest(io, p, plan, dp)
-        parts.append((io.part, json.loads(json.dumps(part))))
+        parts.append((io.part, part_manifest(io, p, plan, dp)))
     manifest = merge_parts(parts, tmp_path / MANIFEST)
-    disk = manifest["disk"]
-    assert disk["bytes"] == manifest["bytes"] == sum(e["bytes"] for e in manifest["shards"])
-    assert disk["by_storage_dtype"]["float32"]["bytes"] == manifest["bytes"]
+    disk = manifest.disk
+    assert disk["bytes"] == manifest.bytes == sum(e.bytes for e in manifest.shards)
+    assert disk["by_storage_dtype"]["float32"]["bytes"] == manifest.bytes
     assert disk["by_storage_dtype"]["float32"]["vs_float32"] == 1.0
     assert 0.25 < disk["by_storage_dtype"]["float8_e4m3fn"]["vs_float32"] < 0.3
-    assert disk["storage_dtype"] == manifest["storage_dtype"] == "float32"
+    assert disk["storage_dtype"] == manifest.storage_dtype == "float32"
     # the final state only where the loss reads it (random masks: about half the positions)
-    assert 0.3 * manifest["num_tokens"] < disk["final_rows"] < 0.7 * manifest["num_tokens"]
-    saved = (manifest["num_tokens"] - disk["final_rows"]) * 128 * 4
+    assert 0.3 * manifest.num_tokens < disk["final_rows"] < 0.7 * manifest.num_tokens
+    saved = (manifest.num_tokens - disk["final_rows"]) * 128 * 4
     assert disk["final_rows_saved_bytes"] == saved
 
 
@@ -232,9 +232,7 @@ def test_training_loader_decodes_float8_shards_and_checks_the_manifest(tmp_path)
     fp8 = build_inputs(tmp_path / "fp8", storage="float8_e4m3fn")
     indexes = []
     for inputs in (ref, fp8):
-        manifest = json.loads(inputs.manifest.read_text())
-        for e in manifest["shards"]:
-            e["path"] = str(inputs.manifest.parent / e["file"])
+        manifest = load_manifest(inputs.manifest)
         indexes.append((manifest, SampleIndex(manifest, None, 10_000)))
     (_, a), (manifest, b) = indexes
     for g in range(len(a)):
@@ -245,7 +243,7 @@ def test_training_loader_decodes_float8_shards_and_checks_the_manifest(tmp_path)
             (want.final_hidden_states, got.final_hidden_states),
         ):
             assert ((x - y).abs() <= error_bound(x, "float8_e4m3fn") * (1 + 1e-6)).all()
-    manifest["storage_dtype"] = "bfloat16"
+    manifest.storage_dtype = "bfloat16"
     with pytest.raises(UserError, match="stores its states as F8_E4M3, the manifest says bfloat16"):
         SampleIndex(manifest, None, 10_000)
 
@@ -287,11 +285,11 @@ def test_extraction_in_each_storage_dtype(world):
         assert re.search(r"\b0 finished already", proc.stderr), "a shard of another dtype reused"
         assert "disk plan:" in proc.stderr and f"exactly in {storage}" in proc.stderr
         manifest = merged(out, 1)
-        assert manifest["storage_dtype"] == storage and manifest["dtype"] == "float32"
-        disk = manifest["disk"]
-        assert disk["storage_dtype"] == storage and disk["bytes"] == manifest["bytes"]
-        assert disk["by_storage_dtype"][storage]["bytes"] == manifest["bytes"]
-        assert disk["by_storage_dtype"]["float32"]["bytes"] == ref_manifest["bytes"]
+        assert manifest.storage_dtype == storage and manifest.dtype == "float32"
+        disk = manifest.disk
+        assert disk["storage_dtype"] == storage and disk["bytes"] == manifest.bytes
+        assert disk["by_storage_dtype"][storage]["bytes"] == manifest.bytes
+        assert disk["by_storage_dtype"]["float32"]["bytes"] == ref_manifest.bytes
         got = tensors(manifest)
         assert torch.equal(got["input_ids"], ref["input_ids"])
         for name in ("aux_hidden_states", "final_hidden_states"):

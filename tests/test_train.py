@@ -545,6 +545,12 @@ def _set_manifest(inputs, **changes):
     inputs.manifest.write_text(json.dumps(manifest))
 
 
+def _set_verifier(inputs, **changes):
+    manifest = json.loads(inputs.manifest.read_text())
+    manifest["verifier"].update(changes)
+    inputs.manifest.write_text(json.dumps(manifest))
+
+
 def _write_map(inputs, d2t, t2d):
     save_file({"d2t": d2t, "t2d": t2d}, str(inputs.vocab_map))
 
@@ -570,7 +576,7 @@ BAD_INPUTS = {
         r"num_hidden_layers 6 does not match the verifier .*4 layers",
     ),
     "another verifier": (
-        lambda i: _set_manifest(i, verifier={"path": "x", "config_sha256": "0" * 64}),
+        lambda i: _set_verifier(i, fingerprint="0" * 64),
         r"extracted from another verifier",
     ),
     "vocab map for another vocabulary": (

@@ -125,7 +125,7 @@ def _view_worker(rank: int, port: int, out: Path) -> None:
         for differ in VIEW_CASES:
             shard = out / f"shard_{rank if differ == 'shards' else 0}.bin"  # 10 and 11 bytes
             fingerprint = f"f{rank}" if differ == "inputs" else "f"
-            manifest = {"shards": [{"path": str(shard)}]}
+            manifest = SimpleNamespace(shards=[SimpleNamespace(path=str(shard))])
             inputs = SimpleNamespace(fingerprint=fingerprint, manifest=manifest)
             try:
                 check_same_view(inputs, Dist(rank=rank, world=2, distributed=True))

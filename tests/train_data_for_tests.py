@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests import factories
 from workflow_scripts.lib.draft.vocab_map import build_maps, select_vocab
 from workflow_scripts.lib.hidden_states import manifest, shards
 from workflow_scripts.lib.verifier import files as verifier_files
@@ -127,37 +128,20 @@ def write_extraction(
     ``storage``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    entries = []
+    paths = []
     for s0 in range(0, len(samples), shard_size):
         states = []
         for ids, mask in samples[s0 : s0 + shard_size]:
             aux, final = hidden_states(model, ids, aux_ids)
             states.append(shards.SampleStates(aux, final, ids, mask))
-        path = out_dir / manifest.shard_name(len(entries))
-        entries.append(
-            shards.write_shard(path, states, s0, f"test-{s0}", storage=shards.TORCH_DTYPES[storage])
-        )
-    record = {
-        "format_version": manifest.FORMAT_VERSION,
-        "layer_convention": manifest.LAYER_CONVENTION,
-        "aux_layer_ids": list(aux_ids),
-        "final_layer_id": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "dtype": "float32",
-        "storage_dtype": storage,
-        "verifier": {
-            "path": str(verifier_dir),
-            **verifier_files.identity(verifier_dir),
-        },
-        "tokenized": {"path": "tokenized_data.jsonl", "sha256": "0" * 64},
-        "vocab_size": cfg.vocab_size,
-        "num_samples": len(samples),
-        "num_tokens": sum(int(ids.numel()) for ids, _ in samples),
-        "shards": entries,
-    }
+        path = out_dir / manifest.shard_name(len(paths))
+        shards.write_shard(path, states, s0, f"test-{s0}", storage=shards.TORCH_DTYPES[storage])
+        paths.append(path)
+    record = factories.manifest(
+        paths, out_dir, verifier_dir, list(aux_ids), storage=storage, shard_size=shard_size
+    )
     path = out_dir / MANIFEST
-    path.write_text(json.dumps(record, indent=2))
+    record.write(path)
     return path
 
 

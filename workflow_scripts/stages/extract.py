@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from workflow_scripts.lib.common import run_main, write_json
+from workflow_scripts.lib.common import run_main
 from workflow_scripts.lib.hidden_states.disk_plan import check_outputs
 from workflow_scripts.lib.hidden_states.engines import extract
 from workflow_scripts.lib.hidden_states.extraction import make_plan, part_manifest, reuse_finished
@@ -55,14 +55,14 @@ def main() -> None:
     else:
         log.info("nothing to compute: the model is not loaded")
     part = part_manifest(io, p, plan, disk)
-    write_json(io.part, part)
+    part.write(io.part)
     log.info(
         "extract job %d: %d shard(s), %d samples, %d tokens, %d skipped as too long -> %s",
         io.job_index,
-        len(part["shards"]),
-        part["num_samples"],
-        part["num_tokens"],
-        part["num_skipped_too_long"],
+        len(part.shards),
+        part.num_samples,
+        part.num_tokens,
+        part.num_skipped_too_long,
         io.part,
     )
 

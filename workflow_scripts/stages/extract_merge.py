@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from workflow_scripts.lib.common import read_json, run_main, write_json
+from workflow_scripts.lib.common import run_main
 from workflow_scripts.lib.hidden_states.manifest import merge_parts
+from workflow_scripts.lib.hidden_states.records import ExtractPart
 from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")
@@ -19,16 +20,16 @@ log = logging.getLogger("eagle3")
 
 def main() -> None:
     io, _ = cli.parse("extract_merge")
-    parts = [(Path(p), read_json(p)) for p in io.parts]
+    parts = [(Path(p), ExtractPart.read(p)) for p in io.parts]
     manifest = merge_parts(parts, Path(io.manifest))
-    write_json(io.manifest, manifest)
+    manifest.write(io.manifest)
     log.info(
         "manifest: %d shards, %d samples, %d tokens (%d skipped as too long), %.2f GiB -> %s",
-        len(manifest["shards"]),
-        manifest["num_samples"],
-        manifest["num_tokens"],
-        manifest["num_skipped_too_long"],
-        manifest["bytes"] / 2**30,
+        len(manifest.shards),
+        manifest.num_samples,
+        manifest.num_tokens,
+        manifest.num_skipped_too_long,
+        manifest.bytes / 2**30,
         io.manifest,
     )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from workflow_scripts.lib.common import run_main, write_json
+from workflow_scripts.lib.common import run_main
 from workflow_scripts.lib.hidden_states.stream import all_shards_plan, stream_plan
 from workflow_scripts.lib.workflow import cli
 
@@ -21,16 +21,16 @@ def main() -> None:
     io, p = cli.parse("extract_plan")
     plan = all_shards_plan(io.tokenized, io.verifier, io.shard_dir, p)
     out = stream_plan(plan, io.shard_dir)
-    write_json(io.plan, out)
+    out.write(io.plan)
     log.info(
         "stream plan: %d shard(s), %d samples, %d tokens, %.3f GiB of hidden states in %s "
         "(%d skipped as too long) -> %s",
-        len(out["shards"]),
-        out["num_samples"],
-        out["num_tokens"],
-        out["bytes"] / 2**30,
+        len(out.shards),
+        out.num_samples,
+        out.num_tokens,
+        out.bytes / 2**30,
         plan.storage,
-        out["num_skipped_too_long"],
+        out.num_skipped_too_long,
         io.plan,
     )
 

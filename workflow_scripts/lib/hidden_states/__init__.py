@@ -1,5 +1,6 @@
 """The verifier's hidden states on disk: the shard format and reader (``shards``), streaming
-writes (``shard_writer``), the manifest and its merge with every shard's checksum (``manifest``),
+writes (``shard_writer``), the typed records of parts, manifest and stream plan (``records``), the
+manifest's merge with every shard's checksum (``manifest``),
 extraction's plan and reuse of finished shards (``extraction``), the disk plan (``disk_plan``) and
 the dry-run's estimate of it from prepare's counts (``estimate``), the engines (``engines``: vLLM
 through the KV ``connector``; ``transformers_backend``), the positions recorded for the teacher

@@ -25,6 +25,7 @@ import torch
 
 from workflow_scripts.lib.common import UserError, write_json
 from workflow_scripts.lib.hidden_states.manifest import FORMAT_VERSION, LAYER_CONVENTION, shard_name
+from workflow_scripts.lib.hidden_states.records import ExtractPart
 from workflow_scripts.lib.hidden_states.shard_writer import remove_stale_tmp, shard_entry
 from workflow_scripts.lib.hidden_states.shards import (
     TORCH_DTYPES,
@@ -336,7 +337,7 @@ def make_plan(io, p) -> Plan:
     return plan
 
 
-def part_manifest(io, p, plan: Plan, disk: dict[str, Any]) -> dict[str, Any]:
+def part_manifest(io, p, plan: Plan, disk: dict[str, Any]) -> ExtractPart:
     shards = []
     for s in plan.shards:
         if s.entry is None or s.entry.get("file") is None:
@@ -353,16 +354,16 @@ def part_manifest(io, p, plan: Plan, disk: dict[str, Any]) -> dict[str, Any]:
             }
         )
     skipped = sorted(i for s in plan.shards for i in s.skipped)
-    return {
+    return ExtractPart(
         **plan.common,
-        "kind": "extract_part",
-        "job_index": io.job_index,
-        "num_jobs": p.num_jobs,
-        "shard_indices": [s.index for s in plan.shards],
-        "disk": disk,
-        "num_samples": sum(e["num_samples"] for e in shards),
-        "num_tokens": sum(e["num_tokens"] for e in shards),
-        "num_skipped_too_long": len(skipped),
-        "skipped_too_long": skipped,
-        "shards": shards,
-    }
+        kind="extract_part",
+        job_index=io.job_index,
+        num_jobs=p.num_jobs,
+        shard_indices=[s.index for s in plan.shards],
+        disk=disk,
+        num_samples=sum(e["num_samples"] for e in shards),
+        num_tokens=sum(e["num_tokens"] for e in shards),
+        num_skipped_too_long=len(skipped),
+        skipped_too_long=skipped,
+        shards=shards,
+    )

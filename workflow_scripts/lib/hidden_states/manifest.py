@@ -11,18 +11,19 @@ The shard format itself is described in ``shards.py``.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from workflow_scripts.lib.common import UserError, sha256_file
-
-FORMAT_VERSION = 1
-LAYER_CONVENTION = (
-    "vllm: aux id k is the input of decoder layer k (HF hidden_states[k]); "
-    "final_hidden_states is the output of the last layer before the final norm"
+from workflow_scripts.lib.hidden_states.records import (
+    FORMAT_VERSION,
+    LAYER_CONVENTION,
+    ExtractPart,
+    Header,
+    Manifest,
 )
+
 # Shards are no rule's output (so Snakemake never deletes them): a shard lost after extraction
 # is recomputed by forcing the extraction jobs, which reuse every shard still in place.
 RERUN_HINT = (
@@ -35,32 +36,17 @@ def shard_name(index: int) -> str:
     return f"shard_{index:06d}.safetensors"
 
 
-def storage_dtype(manifest: dict[str, Any]) -> str:
-    """The dtype the manifest's shards store their states in (manifests from before storage
-    dtypes: as computed)."""
-    return manifest.get("storage_dtype", manifest["dtype"])
-
-
-def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
-    """Read a manifest, check every shard exists (and its checksum, if asked); shard paths in
-    the result are absolute."""
+def load_manifest(path: Path, verify_checksums: bool = False) -> Manifest:
+    """Read a manifest, check every shard exists (and its checksum, if asked); each shard's
+    ``path`` is set, absolute."""
     path = Path(path)
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read extraction manifest {path}: {exc}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"{path}: format_version {manifest.get('format_version')!r}, expected "
-            f"{FORMAT_VERSION}; rerun extraction"
-        )
-    base = path.parent
-    for entry in manifest["shards"]:
-        shard = (base / entry["file"]).resolve()
-        entry["path"] = str(shard)
+    manifest = Manifest.read(path)
+    for entry in manifest.shards:
+        shard = (path.parent / entry.file).resolve()
+        entry.path = str(shard)
         if not shard.is_file():
             raise UserError(f"{path}: shard {shard} is missing; {RERUN_HINT}")
-        if verify_checksums and sha256_file(shard) != entry["sha256"]:
+        if verify_checksums and sha256_file(shard) != entry.sha256:
             raise UserError(
                 f"{path}: shard {shard} does not match its checksum (corrupt or overwritten); "
                 f"delete it and {RERUN_HINT}"
@@ -68,101 +54,76 @@ def load_manifest(path: Path, verify_checksums: bool = False) -> dict[str, Any]:
     return manifest
 
 
-# keys of a part that are per job, not shared by all parts: not in the manifest, which is the
-# same however many jobs made it (num_jobs is checked across the parts on its own)
-PER_JOB = {
-    "kind",
-    "num_jobs",
-    "job_index",
-    "shard_indices",
-    "disk",
-    "num_samples",
-    "num_tokens",
-    "num_skipped_too_long",
-    "skipped_too_long",
-    "shards",
-}
-
-
-def merge_parts(parts: list[tuple[Path, dict[str, Any]]], manifest_path: Path) -> dict[str, Any]:
+def merge_parts(parts: list[tuple[Path, ExtractPart]], manifest_path: Path) -> Manifest:
+    """The extract jobs' parts as the one manifest: the same header in every part, one part
+    for each job, every shard assigned and in place."""
     if not parts:
         raise UserError("no part manifests to merge")
+    header = set(Header.model_fields)
     first_path, first = parts[0]
-    common = {k: v for k, v in first.items() if k not in PER_JOB}
-    if common.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"{first_path}: format_version {common.get('format_version')!r}; rerun extraction"
-        )
+    common = first.model_dump(include=header)
     for path, part in parts[1:]:
-        other = {k: v for k, v in part.items() if k not in PER_JOB}
-        diff = sorted(k for k in set(common) | set(other) if common.get(k) != other.get(k))
+        other = part.model_dump(include=header)
+        diff = sorted(k for k in header if common.get(k) != other.get(k))
+        if part.num_jobs != first.num_jobs:
+            diff.append("num_jobs")
         if diff:
             raise UserError(
                 f"{path} and {first_path} disagree on {', '.join(diff)}: they come from different "
                 "extraction runs; rerun extraction"
             )
-    num_jobs = int(first["num_jobs"])
-    for path, part in parts[1:]:
-        if part.get("num_jobs") != num_jobs:
-            raise UserError(
-                f"{path} and {first_path} disagree on num_jobs: they come from different "
-                "extraction runs; rerun extraction"
-            )
-    jobs = sorted(int(part["job_index"]) for _, part in parts)
-    if jobs != list(range(num_jobs)):
-        raise UserError(f"parts of jobs {jobs}, expected one for each of 0..{num_jobs - 1}")
+    jobs = sorted(part.job_index for _, part in parts)
+    if jobs != list(range(first.num_jobs)):
+        raise UserError(f"parts of jobs {jobs}, expected one for each of 0..{first.num_jobs - 1}")
 
-    entries: dict[int, dict[str, Any]] = {}
+    entries = {}
     assigned: set[int] = set()
     for path, part in parts:
-        assigned.update(part["shard_indices"])
-        for entry in part["shards"]:
-            index = int(entry["index"])
-            if index in entries:
-                raise UserError(f"shard {index} appears in two parts (second: {path})")
-            shard = (path.parent / entry["file"]).resolve()
+        assigned.update(part.shard_indices)
+        for entry in part.shards:
+            if entry.index in entries:
+                raise UserError(f"shard {entry.index} appears in two parts (second: {path})")
+            shard = (path.parent / entry.file).resolve()
             if not shard.is_file():
                 raise UserError(f"{path}: shard {shard} is missing; {RERUN_HINT}")
-            if shard.stat().st_size != entry["bytes"]:
+            if shard.stat().st_size != entry.bytes:
                 raise UserError(
                     f"{path}: shard {shard} has {shard.stat().st_size} bytes, its part recorded "
-                    f"{entry['bytes']}; it was overwritten: {RERUN_HINT}"
+                    f"{entry.bytes}; it was overwritten: {RERUN_HINT}"
                 )
-            entries[index] = {
-                **entry,
-                "file": os.path.relpath(shard, manifest_path.parent.resolve()),
-            }
-    missing = sorted(set(range(int(common["num_shards"]))) - assigned)
+            file = os.path.relpath(shard, manifest_path.parent.resolve())
+            entries[entry.index] = entry.model_copy(update={"file": file})
+    missing = sorted(set(range(first.num_shards)) - assigned)
     if missing:
         raise UserError(f"shards {missing[:10]} were assigned to no job; rerun extraction")
     shards = [entries[i] for i in sorted(entries)]
-    skipped = sorted(i for _, part in parts for i in part["skipped_too_long"])
-    manifest = {
-        **common,
-        "num_samples": sum(e["num_samples"] for e in shards),
-        "num_tokens": sum(e["num_tokens"] for e in shards),
-        "num_loss_tokens": sum(e.get("num_loss_tokens", 0) for e in shards),
-        "num_skipped_too_long": len(skipped),
-        "skipped_too_long": skipped,
-        "bytes": sum(e["bytes"] for e in shards),
-        "shards": shards,
-    }
-    plans = [part.get("disk") for _, part in parts]
+    skipped = sorted(i for _, part in parts for i in part.skipped_too_long)
+    manifest = Manifest(
+        **{k: getattr(first, k) for k in Header.model_fields},
+        num_samples=sum(e.num_samples for e in shards),
+        num_tokens=sum(e.num_tokens for e in shards),
+        num_loss_tokens=sum(e.num_loss_tokens for e in shards),
+        num_skipped_too_long=len(skipped),
+        skipped_too_long=skipped,
+        bytes=sum(e.bytes for e in shards),
+        shards=shards,
+    )
+    plans = [part.disk for _, part in parts]
     if all(plans):
-        manifest["disk"] = disk_summary(plans, manifest)
-    if manifest["num_samples"] == 0:
+        manifest.disk = disk_summary(plans, manifest)
+    if manifest.num_samples == 0:
         raise UserError(
             "no sample was extracted (all too long?); raise extract.max_model_len_tokens"
         )
     return manifest
 
 
-def disk_summary(plans: list[dict[str, Any]], manifest: dict[str, Any]) -> dict[str, Any]:
+def disk_summary(plans: list[dict[str, Any]], manifest: Manifest) -> dict[str, Any]:
     """The jobs' disk plans as one: the shards' bytes as stored, and what they would take in each
     storage dtype, per token and against float32 (the report shows this). Only what the shards
     are: the same shards give the same manifest, whichever jobs made them and whatever the free
     space then (each job's log and part have that)."""
-    tokens = max(manifest["num_tokens"], 1)
+    tokens = max(manifest.num_tokens, 1)
     totals: dict[str, int] = {}
     for plan in plans:
         for name, v in plan["by_storage_dtype"].items():
@@ -170,10 +131,10 @@ def disk_summary(plans: list[dict[str, Any]], manifest: dict[str, Any]) -> dict[
     floor = totals.get("float32") or 1
     return {
         "storage_dtype": plans[0]["storage_dtype"],
-        "bytes": manifest["bytes"],
+        "bytes": manifest.bytes,
         "final_rows": sum(int(plan.get("final_rows", 0)) for plan in plans),
         "final_rows_saved_bytes": sum(int(plan.get("final_rows_saved_bytes", 0)) for plan in plans),
-        "bytes_per_token": round(manifest["bytes"] / tokens, 2),
+        "bytes_per_token": round(manifest.bytes / tokens, 2),
         "by_storage_dtype": {
             name: {
                 "bytes": total,

@@ -32,6 +32,7 @@ from workflow_scripts.lib.hidden_states.extraction import (
     sample_tensors,
     shard_key,
 )
+from workflow_scripts.lib.hidden_states.records import StreamPlan
 from workflow_scripts.lib.hidden_states.shards import read_positions
 
 log = logging.getLogger("eagle3")
@@ -107,29 +108,29 @@ def read_heldout_shard(plan: Plan, k: int, lines: list[int], tokenized: Path, di
     return heldout_shard(plan, k, lines, lengths, final_rows, directory)
 
 
-def plan_of(stream_plan_: dict[str, Any]) -> Plan:
+def plan_of(stream_plan_: StreamPlan) -> Plan:
     """The extraction plan's settings as the stream plan records them (no shards, no data): what
     sizes and fingerprints of held-out shards need."""
     c = stream_plan_
     cfg = {
-        "num_hidden_layers": c["num_hidden_layers"],
-        "hidden_size": c["hidden_size"],
-        "vocab_size": c["vocab_size"],
+        "num_hidden_layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
     }
     return Plan(
-        Path(c["verifier"]["path"]),
+        Path(c.verifier.path),
         cfg,
-        list(c["aux_layer_ids"]),
-        c["dtype"],
-        c["storage_dtype"],
+        list(c.aux_layer_ids),
+        c.dtype,
+        c.storage_dtype,
         {},
-        c["key"],
+        c.key,
         None,
-        c["num_samples"],
+        c.num_samples,
     )
 
 
-def stream_plan(plan: Plan, shard_dir: Path) -> dict[str, Any]:
+def stream_plan(plan: Plan, shard_dir: Path) -> StreamPlan:
     """What training needs to plan without any state on disk (the extract_plan stage's output):
     every shard's samples (tokenized lines), their lengths, its exact bytes and fingerprint."""
     shards = []
@@ -149,17 +150,17 @@ def stream_plan(plan: Plan, shard_dir: Path) -> dict[str, Any]:
             }
         )
     skipped = sorted(i for s in plan.shards for i in s.skipped)
-    return {
+    return StreamPlan(
         **plan.common,
-        "kind": "stream_plan",
-        "key": plan.key,
-        "num_samples": sum(len(s["samples"]) for s in shards),
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "num_skipped_too_long": len(skipped),
-        "skipped_too_long": skipped,
-        "bytes": sum(s["bytes"] for s in shards),
-        "shards": shards,
-    }
+        kind="stream_plan",
+        key=plan.key,
+        num_samples=sum(len(s["samples"]) for s in shards),
+        num_tokens=sum(s["num_tokens"] for s in shards),
+        num_skipped_too_long=len(skipped),
+        skipped_too_long=skipped,
+        bytes=sum(s["bytes"] for s in shards),
+        shards=shards,
+    )
 
 
 def plan_digest(plan_file: Path) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.hidden_states import shards
-from workflow_scripts.lib.hidden_states.manifest import storage_dtype
+from workflow_scripts.lib.hidden_states.records import Manifest
 
 PACK_WINDOW_SAMPLES = 256  # samples sorted by length together when packing micro-batches
 
@@ -26,36 +26,36 @@ class SampleIndex:
     """Every sample's shard, place and length; samples are read from the memory-mapped shards
     only when a micro-batch needs them."""
 
-    def __init__(self, manifest: dict, aux_order: list[int] | None, max_tokens: int):
+    def __init__(self, manifest: Manifest, aux_order: list[int] | None, max_tokens: int):
         self.aux_order = aux_order
         self.max_tokens = max_tokens
         self.readers, shard_of, local_of, lengths = [], [], [], []
-        n_aux, H = len(manifest["aux_layer_ids"]), manifest["hidden_size"]
-        storage = storage_dtype(manifest)
-        for i, entry in enumerate(manifest["shards"]):
+        n_aux, H = len(manifest.aux_layer_ids), manifest.hidden_size
+        storage = manifest.storage_dtype
+        for i, entry in enumerate(manifest.shards):
             try:
-                reader = shards.ShardReader(Path(entry["path"]))
+                reader = shards.ShardReader(Path(entry.path))
                 first = reader.sample(0)
             except Exception as exc:
-                raise UserError(f"shard {entry['path']} is unreadable: {exc}") from None
+                raise UserError(f"shard {entry.path} is unreadable: {exc}") from None
             n = first.num_tokens
             if reader.storage_dtype != shards.SAFETENSORS_DTYPES[shards.TORCH_DTYPES[storage]]:
                 raise UserError(
-                    f"shard {entry['path']} stores its states as {reader.storage_dtype}, the "
+                    f"shard {entry.path} stores its states as {reader.storage_dtype}, the "
                     f"manifest says {storage}: it comes from another extraction run; rerun "
                     "extraction"
                 )
             aux_shape = list(first.aux_hidden_states.shape)
             final_shape = list(first.final_hidden_states.shape)
             if (
-                len(reader) != entry["num_samples"]
+                len(reader) != entry.num_samples
                 or aux_shape != [n, n_aux, H]
                 or final_shape != [n, H]
             ):
                 raise UserError(
-                    f"shard {entry['path']} does not hold what the manifest says ({len(reader)} "
+                    f"shard {entry.path} does not hold what the manifest says ({len(reader)} "
                     f"samples, first sample: aux {aux_shape}, final {final_shape}; manifest: "
-                    f"{entry['num_samples']} samples, {n_aux} aux layers, hidden size {H})"
+                    f"{entry.num_samples} samples, {n_aux} aux layers, hidden size {H})"
                 )
             self.readers.append(reader)
             shard_of.append(np.full(len(reader), i, dtype=np.int64))

@@ -21,6 +21,7 @@ import numpy as np
 
 from workflow_scripts.lib.common import UserError, read_json
 from workflow_scripts.lib.hidden_states import stream as engine_side
+from workflow_scripts.lib.hidden_states.records import StreamPlan
 from workflow_scripts.lib.training.data import Plan, split_samples
 from workflow_scripts.lib.workflow.params_base import size_bytes
 
@@ -178,17 +179,17 @@ class SampleTable:
     """Every sample of the stream plan (ordinal g, as the manifest would number them): its
     shard (position in the plan's list), place in it, tokenized line, length, final rows."""
 
-    def __init__(self, stream_plan: dict[str, Any]):
-        shards = stream_plan["shards"]
+    def __init__(self, stream_plan: StreamPlan):
+        shards = stream_plan.shards
         self.shard_of = np.concatenate(
-            [np.full(len(s["samples"]), i, dtype=np.int64) for i, s in enumerate(shards)]
+            [np.full(len(s.samples), i, dtype=np.int64) for i, s in enumerate(shards)]
         )
-        self.local_of = np.concatenate([np.arange(len(s["samples"])) for s in shards])
-        self.lines = np.concatenate([np.asarray(s["samples"], dtype=np.int64) for s in shards])
-        self.full_lengths = np.concatenate([np.asarray(s["lengths"]) for s in shards])
-        self.final_rows = np.concatenate([np.asarray(s["final_rows"]) for s in shards])
-        self.sizes = np.asarray([s["bytes"] for s in shards], dtype=np.int64)
-        self.tokens = np.asarray([s["num_tokens"] for s in shards], dtype=np.int64)
+        self.local_of = np.concatenate([np.arange(len(s.samples)) for s in shards])
+        self.lines = np.concatenate([np.asarray(s.samples, dtype=np.int64) for s in shards])
+        self.full_lengths = np.concatenate([np.asarray(s.lengths) for s in shards])
+        self.final_rows = np.concatenate([np.asarray(s.final_rows) for s in shards])
+        self.sizes = np.asarray([s.bytes for s in shards], dtype=np.int64)
+        self.tokens = np.asarray([s.num_tokens for s in shards], dtype=np.int64)
 
     def heldout(self, stream_plan, val_ids: np.ndarray, directory: Path, shard_size: int):
         """The held-out shards: the validation split's samples, ``shard_size`` to a shard."""
@@ -216,7 +217,7 @@ def budget_plan(stream_plan, p_train, budget: int, world: int, directory: Path, 
     lengths = np.minimum(table.full_lengths, p_train.micro_batch_budget_tokens)
     plan, val_ids = training_plan(len(table.lines), table.shard_of, lengths, p_train, world)
     heldout, heldout_sizes = table.heldout(
-        stream_plan, val_ids, directory, stream_plan["shard_size_samples"]
+        stream_plan, val_ids, directory, stream_plan.shard_size_samples
     )
     occ = occurrences(plan, table.shard_of, start)
     bp = plan_budget(
@@ -270,11 +271,14 @@ def describe(costs: dict[str, Any]) -> str:
     )
 
 
-def load_stream_plan(path: Path) -> dict[str, Any]:
-    plan = read_json(path)
-    if plan.get("kind") != "stream_plan":
+def load_stream_plan(path: Path) -> StreamPlan:
+    try:
+        kind = read_json(path).get("kind")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
+    if kind != "stream_plan":
         raise UserError(
             f"{path} is not a stream plan (extract.disk_budget is set: training takes the "
             "extract_plan stage's output); rerun the workflow"
         )
-    return plan
+    return StreamPlan.read(path)

@@ -29,12 +29,8 @@ from workflow_scripts.lib.common import (
     sha256_file,
 )
 from workflow_scripts.lib.training import init_from
-from workflow_scripts.lib.hidden_states import shards
-from workflow_scripts.lib.hidden_states.manifest import (
-    LAYER_CONVENTION,
-    load_manifest,
-    storage_dtype,
-)
+from workflow_scripts.lib.hidden_states.manifest import load_manifest
+from workflow_scripts.lib.hidden_states.records import Manifest, StreamPlan
 from workflow_scripts.lib.training.data import SampleIndex
 from workflow_scripts.lib.training.disk_budget import load_stream_plan
 from workflow_scripts.lib.training.processes import Dist
@@ -54,7 +50,7 @@ class Inputs:
     """Everything checked before the first step."""
 
     verifier_cfg: dict[str, Any]
-    manifest: dict[str, Any]
+    manifest: Manifest | StreamPlan
     aux_layer_ids: list[int]  # ascending: the order vLLM concatenates them in
     aux_order: list[int] | None  # permutation of the shards' aux axis into that order, if needed
     d2t: torch.Tensor
@@ -63,63 +59,6 @@ class Inputs:
     index: "SampleIndex | StreamedIndex"
     fingerprint: str
     streamed: bool = False  # extract.disk_budget: the states are computed while training runs
-
-
-def check_manifest(manifest: dict, vcfg: dict, verifier_dir: Path, where: Path) -> None:
-    H, N, V = int(vcfg["hidden_size"]), int(vcfg["num_hidden_layers"]), int(vcfg["vocab_size"])
-    hint = "re-run extraction for this verifier"
-    if manifest.get("layer_convention") != LAYER_CONVENTION:
-        raise UserError(
-            f"{where}: layer_convention {manifest.get('layer_convention')!r} is not the one this "
-            f"workflow uses ({LAYER_CONVENTION!r}); {hint}"
-        )
-    if manifest.get("hidden_size") != H:
-        raise UserError(
-            f"{where}: hidden_size {manifest.get('hidden_size')} does not match the verifier "
-            f"{verifier_dir} (hidden_size {H}); {hint}"
-        )
-    if manifest.get("num_hidden_layers") != N:
-        raise UserError(
-            f"{where}: num_hidden_layers {manifest.get('num_hidden_layers')} does not match the "
-            f"verifier {verifier_dir} ({N} layers); {hint}"
-        )
-    aux = list(manifest.get("aux_layer_ids") or [])
-    bad = [i for i in aux if not isinstance(i, int) or not 0 <= i < N]
-    if not aux or bad:
-        raise UserError(
-            f"{where}: aux_layer_ids {aux} do not fit the verifier {verifier_dir} with {N} layers: "
-            f"ids must be in 0..{N - 1} (vLLM's convention: id k is the input of decoder layer "
-            f"k; {N} is the final state, never an auxiliary one); {hint}"
-        )
-    if len(set(aux)) != len(aux):
-        raise UserError(f"{where}: aux_layer_ids {aux} repeat a layer; {hint}")
-    if manifest.get("final_layer_id") != N:
-        raise UserError(
-            f"{where}: final_layer_id {manifest.get('final_layer_id')} is not the verifier's "
-            f"last layer output ({N}); {hint}"
-        )
-    if manifest.get("vocab_size") != V:
-        raise UserError(
-            f"{where}: vocab_size {manifest.get('vocab_size')} does not match the verifier "
-            f"{verifier_dir} (vocab_size {V}); {hint}"
-        )
-    recorded = (manifest.get("verifier") or {}).get("fingerprint")
-    actual = verifier_files.fingerprint(verifier_dir)
-    if recorded != actual:
-        raise UserError(
-            f"{where}: extracted from another verifier (identity {str(recorded)[:12]}, "
-            f"{verifier_dir} has {actual[:12]}: config.json, weight files or tokenizer differ); "
-            f"{hint}"
-        )
-    if manifest.get("dtype") not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"{where}: unknown dtype {manifest.get('dtype')!r}")
-    storage = storage_dtype(manifest)
-    if storage not in shards.TORCH_DTYPES:
-        raise UserError(
-            f"{where}: unknown storage_dtype {storage!r} (known: {', '.join(shards.TORCH_DTYPES)})"
-        )
-    if not manifest.get("shards") or not manifest.get("num_samples"):
-        raise UserError(f"{where}: no samples; was the tokenized data empty?")
 
 
 def check_vocab_map(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +84,7 @@ def check_vocab_map(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Te
     return d2t.to(torch.int64), t2d.to(torch.bool)
 
 
-def verify_shard_checksums(manifest: dict, state_dir: Path, d: Dist | None = None) -> None:
+def verify_shard_checksums(manifest: Manifest, state_dir: Path, d: Dist | None = None) -> None:
     """sha256 of every shard against the manifest, in parallel threads. Results are remembered
     in the state dir by (size, mtime), so a resumed run does not hash terabytes again. With
     ``d`` (training over several nodes) the shards are shared out over every process of every
@@ -157,10 +96,10 @@ def verify_shard_checksums(manifest: dict, state_dir: Path, d: Dist | None = Non
         cache = {}
 
     def key(entry):
-        st = os.stat(entry["path"])
-        return [st.st_size, st.st_mtime_ns, entry["sha256"]]
+        st = os.stat(entry.path)
+        return [st.st_size, st.st_mtime_ns, entry.sha256]
 
-    todo = [e for e in manifest["shards"] if cache.get(e["path"]) != key(e)]
+    todo = [e for e in manifest.shards if cache.get(e.path) != key(e)]
     shared = d is not None and d.distributed
     mine = todo[d.rank :: d.world] if shared else todo
     if not todo:
@@ -173,8 +112,8 @@ def verify_shard_checksums(manifest: dict, state_dir: Path, d: Dist | None = Non
     )
     workers = max(1, min(8, len(mine), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        digests = list(pool.map(lambda e: sha256_file(e["path"]), mine))
-    results = [(e["path"], key(e), digest == e["sha256"]) for e, digest in zip(mine, digests)]
+        digests = list(pool.map(lambda e: sha256_file(e.path), mine))
+    results = [(e.path, key(e), digest == e.sha256) for e, digest in zip(mine, digests)]
     if shared:
         gathered: list[Any] = [None] * d.world
         dist.all_gather_object(gathered, results)
@@ -201,9 +140,9 @@ def check_same_view(inputs: "Inputs", d: Dist) -> None:
     fingerprint of its inputs (manifest, vocab map, verifier, settings) and the size of every
     shard as it sees them; any that differ from node 0's stop every process, naming both."""
     sizes = []
-    for entry in inputs.manifest["shards"]:
+    for entry in inputs.manifest.shards:
         try:
-            sizes.append(os.stat(entry["path"]).st_size)
+            sizes.append(os.stat(entry.path).st_size)
         except OSError:
             sizes.append(None)
     mine = {"host": socket.gethostname(), "fingerprint": inputs.fingerprint, "sizes": sizes}
@@ -258,12 +197,12 @@ def check_inputs(
         shard_dir = Path(engine_command(io.engine_cmd)[1].shard_dir)
     else:
         manifest = load_manifest(io.manifest)  # every shard present
-    check_manifest(manifest, vcfg, Path(io.verifier), Path(io.manifest))
+    manifest.check_against(vcfg, Path(io.verifier), Path(io.manifest))
     d2t, t2d = check_vocab_map(Path(io.vocab_map), V)
     if verify_checksums and not streamed:
         verify_shard_checksums(manifest, Path(io.state_dir), d)
     tensors = verifier_files.locate_tensors(Path(io.verifier), vcfg)
-    aux = list(manifest["aux_layer_ids"])
+    aux = list(manifest.aux_layer_ids)
     ascending = sorted(aux)
     aux_order = None if aux == ascending else [aux.index(i) for i in ascending]
     if streamed:
@@ -282,7 +221,7 @@ def check_inputs(
             "draft takes the verifier's MLA shape; set train.draft_attention: llama"
         )
     if p.init_from is not None:
-        init_from.check_init_draft(p.init_from, p, vcfg, sorted(manifest["aux_layer_ids"]))
+        init_from.check_init_draft(p.init_from, p, vcfg, sorted(manifest.aux_layer_ids))
     if p.ttt_steps < p.num_speculative_tokens:
         log.warning(
             "train.ttt_steps (%d) is below num_speculative_tokens (%d): the later draft tokens "

@@ -28,6 +28,7 @@ import numpy as np
 from workflow_scripts.lib.common import UserError, read_json
 from workflow_scripts.lib.hidden_states import shards as shard_files
 from workflow_scripts.lib.hidden_states import stream as engine_side
+from workflow_scripts.lib.hidden_states.records import ShardRecord, StreamPlan
 from workflow_scripts.lib.training import teacher_check
 from workflow_scripts.lib.training.data import Plan
 from workflow_scripts.lib.training.disk_budget import (
@@ -107,15 +108,15 @@ class StreamedIndex:
     stream plan, each shard opened once its file is there (waiting for it), and let go when
     training is past it."""
 
-    def __init__(self, stream_plan: dict[str, Any], directory: Path, aux_order, max_tokens: int):
+    def __init__(self, stream_plan: StreamPlan, directory: Path, aux_order, max_tokens: int):
         self.stream_plan, self.directory = stream_plan, directory
         self.aux_order, self.max_tokens = aux_order, max_tokens
         self.table = SampleTable(stream_plan)
         self.full_lengths = self.table.full_lengths
         self.lengths = np.minimum(self.full_lengths, max_tokens)
         self.shard_of, self.local_of = self.table.shard_of, self.table.local_of
-        self.files = [directory / s["file"] for s in stream_plan["shards"]]
-        self.fingerprints = [s["fingerprint"] for s in stream_plan["shards"]]
+        self.files = [directory / s.file for s in stream_plan.shards]
+        self.fingerprints = [s.fingerprint for s in stream_plan.shards]
         self.heldout_at: dict[int, tuple[Path, str, int]] = {}  # g -> (file, fingerprint, place)
         self.readers: dict[Path, shard_files.ShardReader] = {}
         self.engine: Engine | None = None
@@ -222,7 +223,7 @@ class Stream:
                 {
                     "budget_bytes": budget,
                     "heldout": [s.samples for s in bp.heldout],
-                    "order": [self.index.stream_plan["shards"][o.shard]["index"] for o in computed],
+                    "order": [self.index.stream_plan.shards[o.shard].index for o in computed],
                     "present": present,
                     "fingerprints": {
                         **{s.path.name: s.fingerprint for s in bp.heldout},
@@ -235,8 +236,9 @@ class Stream:
             self.index.engine = self.engine
         d.barrier()
         if step < self.plan.total_steps:
-            manifest = self.first_shard_manifest(self.index.stream_plan)
-            teacher_check.verify_and_log(manifest, teacher, d, self.io.verifier)
+            first = self.first_shard()
+            plan = self.index.stream_plan
+            teacher_check.verify_and_log(plan, teacher, d, self.io.verifier, [first])
         return costs
 
     def _tidy(self, bp: BudgetPlan, computed: list[Occurrence]) -> list[str]:
@@ -282,9 +284,9 @@ class Stream:
                 path.unlink(missing_ok=True)
                 path.with_name(path.name + ".sha256.json").unlink(missing_ok=True)
 
-    def first_shard_manifest(self, stream_plan: dict[str, Any]) -> dict[str, Any]:
-        """A manifest of the first shard the engine writes (a held-out one if any), once it and
-        its record are there: what the teacher check reads."""
+    def first_shard(self) -> ShardRecord:
+        """The first shard the engine writes (a held-out one if any), once it and its record are
+        there: what the teacher check reads."""
         heldout = sorted(self.index.heldout_at.values(), key=lambda v: v[0].name)
         if heldout:
             path, fp = heldout[0][0], heldout[0][1]
@@ -297,8 +299,7 @@ class Stream:
             if self.engine is not None:
                 self.engine.check(sidecar.name)
             time.sleep(0.05)
-        entry = read_json(sidecar)["entry"]
-        return {**stream_plan, "shards": [{**entry, "path": str(path)}]}
+        return ShardRecord(**read_json(sidecar)["entry"], path=str(path))
 
     def stop(self) -> None:
         if self.engine is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.hidden_states.manifest import storage_dtype
+from workflow_scripts.lib.hidden_states.records import Header, ShardRecord
 from workflow_scripts.lib.hidden_states.shards import ShardReader
 
 # Positions are decided where the teacher's top-1 logit leads its second by more than rounding
@@ -32,17 +32,20 @@ log = logging.getLogger("eagle3")
 
 
 @torch.no_grad()
-def verify(manifest: dict[str, Any], teacher, device, verifier: Path | str) -> dict[str, Any]:
-    """The teacher's top-1 against the recorded one at every checked position of the manifest's
-    shards; a UserError when they disagree. Returns the counts (logged by the caller)."""
-    tol = max(ROUNDING.get(manifest["dtype"], 2e-2), ROUNDING.get(storage_dtype(manifest), 1e-1))
+def verify(
+    header: Header, shards: list[ShardRecord], teacher, device, verifier: Path | str
+) -> dict[str, Any]:
+    """The teacher's top-1 against the recorded one at every checked position of ``shards`` (of
+    the manifest or stream plan ``header``); a UserError when they disagree. Returns the counts
+    (logged by the caller)."""
+    tol = max(ROUNDING.get(header.dtype, 2e-2), ROUNDING.get(header.storage_dtype, 1e-1))
     checked = agree = undecided = 0
     first_wrong: list[tuple[int, int, int]] = []
-    for entry in manifest["shards"]:
-        check = entry.get("teacher_check")
+    for entry in shards:
+        check = entry.teacher_check
         if not check:
             continue
-        sample = ShardReader(Path(entry["path"])).sample(int(check["sample"]))
+        sample = ShardReader(Path(entry.path)).sample(int(check["sample"]))
         pos = torch.tensor(check["positions"], dtype=torch.long)
         final = sample.final_hidden_states[pos].to(device)
         logits = teacher.full_logits(final)
@@ -74,9 +77,12 @@ def verify(manifest: dict[str, Any], teacher, device, verifier: Path | str) -> d
     return result
 
 
-def verify_and_log(manifest: dict[str, Any], teacher, d, verifier: Path | str) -> None:
-    """``verify``, before any step, its counts logged by the first process."""
-    check = verify(manifest, teacher, d.device, verifier)
+def verify_and_log(
+    header: Header, teacher, d, verifier: Path | str, shards: list[ShardRecord] | None = None
+) -> None:
+    """``verify`` of ``shards`` (by default the manifest ``header``'s), before any step, its
+    counts logged by the first process."""
+    check = verify(header, header.shards if shards is None else shards, teacher, d.device, verifier)
     if d.main:
         log.info(
             "teacher check: the teacher's top-1 is the verifier's at %d of %d recorded "

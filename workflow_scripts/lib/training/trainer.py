@@ -75,7 +75,7 @@ class Trainer:
             if on_gpu
             else contextlib.nullcontext
         )
-        self.data_dtype = shards.TORCH_DTYPES[inputs.manifest["dtype"]] if on_gpu else torch.float32
+        self.data_dtype = shards.TORCH_DTYPES[inputs.manifest.dtype] if on_gpu else torch.float32
 
         model, teacher = build_draft(inputs, p, embed_dtype=None if on_gpu else torch.float32)
         self.model, self.teacher = model.to(d.device), teacher.to(d.device)

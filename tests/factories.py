@@ -1,0 +1,121 @@
+"""Records for tests, built through the records the stages write (lib/hidden_states/records.py),
+so that a fixture is a record training accepts because it is one, not a subset its readers
+happen to check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workflow_scripts.lib.hidden_states import records, shards
+from workflow_scripts.lib.hidden_states.shard_writer import shard_entry
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.code_inputs import made_by, shard_code_fingerprint
+
+
+def shard_entries(paths: list[Path], directory: Path) -> list[records.ShardEntry]:
+    """The manifest entries of finished shards (``file`` relative to ``directory``), read from
+    the files as the extraction reads them."""
+    entries = []
+    for index, path in enumerate(paths):
+        entry = shard_entry(path)
+        entries.append(
+            records.ShardEntry(
+                **{**entry, "file": str(Path(path).relative_to(directory))},
+                index=index,
+                sample_end=entry["sample_start"] + entry["num_samples"],
+                num_skipped=0,
+                fingerprint=shards.shard_fingerprint(path) or "",
+            )
+        )
+    return entries
+
+
+def manifest(
+    paths: list[Path],
+    directory: Path,
+    verifier_dir: Path,
+    aux_ids: list[int],
+    dtype: str = "float32",
+    storage: str = "float32",
+    shard_size: int = 16,
+) -> records.Manifest:
+    """The manifest of the shards ``paths`` (in ``directory``) of the verifier ``verifier_dir``."""
+    vcfg = verifier_files.verifier_config(verifier_dir)
+    entries = shard_entries(paths, directory)
+    n = sum(e.num_samples for e in entries)
+    return records.Manifest(
+        format_version=records.FORMAT_VERSION,
+        made_by=made_by("extract", code=shard_code_fingerprint()),
+        layer_convention=records.LAYER_CONVENTION,
+        aux_layer_ids=list(aux_ids),
+        final_layer_id=int(vcfg["num_hidden_layers"]),
+        hidden_size=int(vcfg["hidden_size"]),
+        num_hidden_layers=int(vcfg["num_hidden_layers"]),
+        vocab_size=int(vcfg["vocab_size"]),
+        dtype=dtype,
+        storage_dtype=storage,
+        backend="vllm",
+        verifier={
+            "path": str(verifier_dir),
+            "architectures": vcfg.get("architectures"),
+            **verifier_files.identity(verifier_dir),
+        },
+        tokenized={"path": "tokenized_data.jsonl", "sha256": "0" * 64, "num_samples": n},
+        shard_size_samples=shard_size,
+        num_shards=len(entries),
+        max_model_len_tokens=1 << 20,
+        on_too_long="fail",
+        num_samples=n,
+        num_tokens=sum(e.num_tokens for e in entries),
+        num_loss_tokens=sum(e.num_loss_tokens for e in entries),
+        num_skipped_too_long=0,
+        skipped_too_long=[],
+        bytes=sum(e.bytes for e in entries),
+        shards=entries,
+    )
+
+
+HEADER = dict(
+    format_version=records.FORMAT_VERSION,
+    made_by={"code": "c" * 64, "versions": {}},
+    layer_convention=records.LAYER_CONVENTION,
+    aux_layer_ids=[1, 2, 3],
+    final_layer_id=4,
+    hidden_size=64,
+    num_hidden_layers=4,
+    vocab_size=256,
+    dtype="float32",
+    storage_dtype="float32",
+    backend="vllm",
+    verifier={
+        "path": "verifier",
+        "architectures": ["LlamaForCausalLM"],
+        "config_sha256": "0" * 64,
+        "weights": [],
+        "tokenizer_sha256": {},
+        "fingerprint": "f" * 64,
+    },
+    tokenized={"path": "tokenized_data.jsonl", "sha256": "0" * 64, "num_samples": 0},
+    shard_size_samples=16,
+    num_shards=1,
+    max_model_len_tokens=1024,
+    on_too_long="fail",
+)
+
+
+def part(job_index: int = 0, num_jobs: int = 1, shards=(), **header) -> records.ExtractPart:
+    """An extract job's part of no particular verifier (``header``: the fields that differ)."""
+    shards = list(shards)
+    return records.ExtractPart(
+        **{**HEADER, **header},
+        kind="extract_part",
+        job_index=job_index,
+        num_jobs=num_jobs,
+        shard_indices=[e.index for e in shards] if shards else [job_index],
+        disk=None,
+        num_samples=sum(e.num_samples for e in shards),
+        num_tokens=sum(e.num_tokens for e in shards),
+        num_skipped_too_long=0,
+        skipped_too_long=[],
+        shards=shards,
+    )
