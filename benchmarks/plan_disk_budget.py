@@ -62,28 +62,17 @@ def synthetic_plan(args, cfg) -> StreamPlan:
                 "fingerprint": str(i),
             }
         )
-    header = {
-        **factories.HEADER,
-        "num_hidden_layers": args.num_layers,
-        "final_layer_id": args.num_layers,
-        "hidden_size": args.hidden_size,
-        "vocab_size": 1,
-        "aux_layer_ids": [2, args.num_layers // 2, args.num_layers - 3],
-        "dtype": "bfloat16",
-        "storage_dtype": storage,
-        "shard_size_samples": size,
-        "num_shards": len(shards),
-    }
-    return StreamPlan(
-        **header,
-        kind="stream_plan",
-        key={"dtype": "bfloat16"},
-        num_samples=n,
-        num_tokens=sum(s["num_tokens"] for s in shards),
-        num_skipped_too_long=0,
-        skipped_too_long=[],
-        bytes=sum(s["bytes"] for s in shards),
-        shards=shards,
+    return factories.stream_plan(
+        shards,
+        {"dtype": "bfloat16"},
+        num_hidden_layers=args.num_layers,
+        final_layer_id=args.num_layers,
+        hidden_size=args.hidden_size,
+        vocab_size=1,
+        aux_layer_ids=[2, args.num_layers // 2, args.num_layers - 3],
+        dtype="bfloat16",
+        storage_dtype=storage,
+        shard_size_samples=size,
     )
 
 

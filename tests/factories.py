@@ -119,3 +119,19 @@ def part(job_index: int = 0, num_jobs: int = 1, shards=(), **header) -> records.
         skipped_too_long=[],
         shards=shards,
     )
+
+
+def stream_plan(shards: list[dict], key: dict, **header) -> records.StreamPlan:
+    """A disk budget's plan of ``shards`` (planned shards, as dicts), of no particular verifier
+    (``header``: the fields that differ); its totals summed from the shards."""
+    return records.StreamPlan(
+        **{**HEADER, "num_shards": len(shards), **header},
+        kind="stream_plan",
+        key=key,
+        num_samples=sum(len(s["samples"]) for s in shards),
+        num_tokens=sum(s["num_tokens"] for s in shards),
+        num_skipped_too_long=0,
+        skipped_too_long=[],
+        bytes=sum(s["bytes"] for s in shards),
+        shards=shards,
+    )

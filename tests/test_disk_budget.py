@@ -59,18 +59,9 @@ def fake_stream_plan(num_shards: int, per_shard: int, seed: int = 0) -> StreamPl
             }
         )
         line += per_shard
-    header = {**factories.HEADER, "num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 100}
-    return StreamPlan(
-        **header | {"shard_size_samples": per_shard, "num_shards": num_shards},
-        kind="stream_plan",
-        key={"data_sha256": "d", "dtype": "float32"},
-        num_samples=line,
-        num_tokens=sum(s["num_tokens"] for s in shards),
-        num_skipped_too_long=0,
-        skipped_too_long=[],
-        bytes=sum(s["bytes"] for s in shards),
-        shards=shards,
-    )
+    header = {"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 100}
+    key = {"data_sha256": "d", "dtype": "float32"}
+    return factories.stream_plan(shards, key, **header, shard_size_samples=per_shard)
 
 
 def simulate(bp: disk_budget.BudgetPlan, total: int) -> int:
