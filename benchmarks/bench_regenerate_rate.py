@@ -176,7 +176,8 @@ def main() -> None:
     p = load_params(args)
     cfg = verifier_config(args.verifier)
     weight_files(args.verifier)
-    dtype = preflight.check_engine(p, "regenerate", cfg)
+    preflight.check_engine(p, "regenerate", cfg)
+    dtype = engine.resolve_dtype(p, cfg)
     template = load_template(args.verifier, p.chat_template)
     work = Path(tempfile.mkdtemp(prefix="bench_regenerate_rate_"))
     io = RegenerateIO(

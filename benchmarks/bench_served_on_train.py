@@ -67,7 +67,8 @@ def main() -> None:
         )
         prompts.append({"prompt_token_ids": list(rendered["input_ids"])})
     # the engine as the evaluate stage makes it, from the run's own evaluate settings
-    dtype = preflight.check_evaluate(p, verifier_config(verifier))
+    preflight.check_evaluate(p, verifier_config(verifier))
+    dtype = engine.resolve_dtype(p, verifier_config(verifier))
     kwargs = engine.engine_args(p, verifier, dtype, disable_log_stats=False)
     backend = {key: v for key, v in kwargs.items() if key == "attention_backend"}
     kwargs["speculative_config"] = {

@@ -33,6 +33,7 @@ from workflow_scripts.lib.hidden_states import (
     manifest,  # noqa: E402
     shards,  # noqa: E402
 )
+from workflow_scripts.lib.hidden_states.shard_writer import write_samples  # noqa: E402
 from workflow_scripts.lib.training.data import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
@@ -92,7 +93,7 @@ def synthetic_inputs(root: Path, num_samples=1200, hidden=128, layers=8, vocab=1
                 )
             )
         path = extract / manifest.shard_name(len(paths))
-        shards.write_shard(path, samples, start, fingerprint=f"bench-{start}")
+        write_samples(path, samples, {"fingerprint": f"bench-{start}", "sample_start": str(start)})
         paths.append(path)
         start += len(samples)
     factories.manifest(paths, extract, verifier, aux_ids, shard_size=256).write(extract / MANIFEST)

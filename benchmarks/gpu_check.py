@@ -166,6 +166,7 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
 
     from tests import factories
     from workflow_scripts.lib.hidden_states import manifest, shards
+    from workflow_scripts.lib.hidden_states.shard_writer import write_samples
 
     s = shape(verifier, small)
     H, V, tokens = s["hidden"], s["vocab"], s["tokens"]
@@ -193,7 +194,8 @@ def prepare(out: Path, small: bool, verifier: str) -> dict[str, Any]:
         mask = torch.ones(tokens, dtype=torch.uint8)
         sample = shards.SampleStates(aux.to(torch.bfloat16), final.to(torch.bfloat16), ids, mask)
         path = extract / manifest.shard_name(i)
-        shards.write_shard(path, [sample], i, fingerprint=f"gpu-check-{i}", storage=storage)
+        meta = {"fingerprint": f"gpu-check-{i}", "sample_start": str(i)}
+        write_samples(path, [sample], meta, storage=storage)
         paths.append(path)
     aux_ids = [2, s["layers"] // 2, s["layers"] - 3]
     stored = "float8_e4m3fn" if storage is not None else "bfloat16"

@@ -64,7 +64,7 @@ def synthetic_plan(args, cfg) -> StreamPlan:
         )
     return factories.stream_plan(
         shards,
-        {"dtype": "bfloat16"},
+        {"dtype": "bfloat16", "code": "c"},
         num_hidden_layers=args.num_layers,
         final_layer_id=args.num_layers,
         hidden_size=args.hidden_size,

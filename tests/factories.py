@@ -1,6 +1,6 @@
-"""Records for tests, built through the records the stages write (lib/hidden_states/records.py),
-so that a fixture is a record training accepts because it is one, not a subset its readers
-happen to check."""
+"""Records for tests, built through the records the stages write (lib/hidden_states/records.py,
+lib/workflow/records.py), so that a fixture is a record its readers accept because it is one,
+not a subset they happen to check."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from workflow_scripts.lib.hidden_states import records, shards
 from workflow_scripts.lib.hidden_states.shard_writer import shard_entry
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import made_by, shard_code_fingerprint
+from workflow_scripts.lib.workflow.records import MetricsRow, PrepareStats
 
 
 def shard_entries(paths: list[Path], directory: Path) -> list[records.ShardEntry]:
@@ -134,4 +135,49 @@ def stream_plan(shards: list[dict], key: dict, **header) -> records.StreamPlan:
         skipped_too_long=[],
         bytes=sum(s["bytes"] for s in shards),
         shards=shards,
+    )
+
+
+def prepare_stats(**changes) -> PrepareStats:
+    """prepare's statistics of 1 row of 100 tokens, 40 of them supervised (``changes`` replace
+    any field)."""
+    fields = dict(
+        chat_data="chat_data.jsonl",
+        verifier="verifier",
+        rows_in=1,
+        conversations_out=1,
+        rows_out=1,
+        rows_per_conversation={"1": 1},
+        tokens=100,
+        unique_tokens=100,
+        extracted_over_unique=1.0,
+        loss_masked_tokens=40,
+        supervised_tokens_by_kind={"answer": 40},
+        truncated_rows=0,
+        reasoning_fields_disagree=0,
+        conversations_by_source={},
+        max_seq_len_tokens=4096,
+        chat_template={},
+        dropped={},
+        made_by={"code": "c" * 64, "versions": {}},
+    )
+    return PrepareStats(**{**fields, **changes})
+
+
+def metrics_row(
+    step: int, split: str, acceptance_per_position: list[float], **changes
+) -> MetricsRow:
+    """A row of training's metrics: its step, split and acceptance per draft position (the
+    simulated acceptance length from them), one TTT step's figures besides."""
+    return MetricsRow(
+        step=step,
+        split=split,
+        loss=1.0,
+        kl_per_step=[1.0],
+        top1_agreement=[0.5],
+        top1_agreement_full_vocab=[0.5],
+        acceptance_per_position=acceptance_per_position,
+        simulated_acceptance_length=1 + sum(acceptance_per_position),
+        positions_per_step=[100],
+        **changes,
     )

@@ -15,6 +15,7 @@ import pytest
 
 from tests import factories
 from workflow_scripts.lib.hidden_states.records import ShardEntry
+from workflow_scripts.lib.regeneration.records import AnswerBatch, AnswerCounts, RegeneratePart
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.code_inputs import closure, direct_imports, module_file
 from workflow_scripts.lib.workflow.definitions import DataParams, VocabParams
@@ -316,14 +317,14 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
     assert stage == "regenerate_merge"
     (tmp / "batches").mkdir()
     row = {"id": "r", "messages": [{"role": "user", "content": "q"}]}
-    batch = {"fingerprint": "f", "rows": [row], "stats": {"rows_out": 1}, "bad": {}}
-    (tmp / "batches" / "batch-000000.json").write_text(json.dumps(batch))
-    part = {
-        "fingerprint": "f", "chat_data": "c", "verifier": "v", "num_jobs": 1, "job_index": 0,
-        "num_batches": 1, "batches": [0], "batches_reused": 0, "rows_in": 1, "bad_rows": {},
-        "seconds": 0.0, "params": {},
-    }  # fmt: skip
-    (tmp / "part_0.json").write_text(json.dumps(part))
+    AnswerBatch(fingerprint="f", rows=[row], stats=AnswerCounts(rows_out=1), bad={}).write(
+        tmp / "batches" / "batch-000000.json"
+    )
+    RegeneratePart(
+        fingerprint="f", chat_data="c", verifier="v", num_jobs=1, job_index=0, num_batches=1,
+        batches=[0], batches_reused=0, rows_in=1, bad_rows={}, seconds=0.0, params={},
+        made_by=factories.HEADER["made_by"],
+    ).write(tmp / "part_0.json")  # fmt: skip
     return {
         "parts": [tmp / "part_0.json"],
         "work_dir": tmp / "batches",
@@ -356,3 +357,12 @@ def test_light_jobs_import_neither_torch_nor_vllm(stage, tmp_path):
     assert files[outputs[stage]].is_file()  # the job ran to its end
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "vllm", "transformers")}
     assert not heavy, sorted(heavy)[:10]
+
+
+def test_each_package_names_its_modules():
+    """A package's docstring says what each of its modules holds: a new module is named there."""
+    for init in sorted((ROOT / "workflow_scripts" / "lib").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.stem != "__init__")
+        unnamed = [m for m in modules if f"``{m}``" not in doc]
+        assert not unnamed, f"{init.relative_to(ROOT)} does not name {unnamed}"

@@ -426,7 +426,7 @@ PREFLIGHT_CASES = [
         r"extract\.tensor_parallel_size 4 does not divide.*2 attention heads",
     ),
     ("token_outside_vocab", r"token id 5000 is outside the verifier's vocabulary of 1000"),
-    ("job_index_past_num_jobs", r"job index 3 but extract\.num_jobs is 1"),
+    ("job_index_past_num_jobs", r"job index 3 is not below extract\.num_jobs 1"),
     (
         "max_len_past_positions",
         r"extract\.max_model_len_tokens 1024 exceeds.*max_position_embeddings 512",

@@ -5,6 +5,7 @@ edits on a built tree)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,61 @@ def test_a_jobs_fingerprint_is_the_one_its_rule_was_planned_with():
         assert code_inputs.stage_fingerprint(stage) == code_inputs.stage_fingerprint(
             stage, versions=code_inputs.installed_versions(STAGES[stage].packages)
         )
+
+
+def fingerprints(root: Path) -> dict[str, str]:
+    code_inputs._statements.cache_clear()
+    code_inputs.closure.cache_clear()
+    return {stage: code_inputs.stage_fingerprint(stage, root) for stage in STAGES}
+
+
+def edited_tree(tmp_path: Path, module: str, old: str, new: str) -> Path:
+    """A copy of the package with one edit to ``module`` (a path under workflow_scripts/)."""
+    shutil.copytree(
+        ROOT / "workflow_scripts",
+        tmp_path / "workflow_scripts",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    path = tmp_path / "workflow_scripts" / module
+    source = path.read_text()
+    assert source.count(old) == 1, (module, old)
+    path.write_text(source.replace(old, new))
+    return tmp_path
+
+
+def test_plumbing_modules_exist_and_are_part_of_stages():
+    in_closures = {m for spec in STAGES.values() for m in code_inputs.closure(spec.module)}
+    assert code_inputs.PLUMBING <= in_closures
+    assert not {spec.module for spec in STAGES.values()} & code_inputs.PLUMBING
+
+
+def test_a_changed_check_changes_no_fingerprint(tmp_path):
+    """A check (the verifier's context length against the engine's) refuses other settings: no
+    output changes, no stage reruns."""
+    tree = edited_tree(
+        tmp_path,
+        "lib/verifier/preflight.py",
+        "settings.max_model_len_tokens > int(max_pos)",
+        "settings.max_model_len_tokens >= int(max_pos)",
+    )
+    try:
+        assert fingerprints(tree) == fingerprints(ROOT)
+    finally:
+        fingerprints(ROOT)
+
+
+def test_a_changed_computation_changes_the_fingerprints_of_the_stages_that_run_it(tmp_path):
+    """The engine's arguments (lib/verifier/engine.py) compute the outputs of the stages that run
+    the verifier in vLLM, and of those after them."""
+    tree = edited_tree(
+        tmp_path,
+        "lib/verifier/engine.py",
+        "enforce_eager=settings.enforce_eager,",
+        "enforce_eager=True,",
+    )
+    try:
+        changed = {s for s, f in fingerprints(tree).items() if f != fingerprints(ROOT)[s]}
+    finally:
+        fingerprints(ROOT)
+    assert {"regenerate", "extract", "extract_stream", "evaluate", "train"} <= changed
+    assert not changed & {"data", "prepare", "vocab", "demo"}

@@ -28,6 +28,8 @@ from workflow_scripts.lib.chat.rows import BadRow
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.regeneration import answers as regeneration
+from workflow_scripts.lib.regeneration import run as regeneration_run
+from workflow_scripts.lib.regeneration.records import AnswerBatch, AnswerCounts, RegeneratePart
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.definitions import RegenerateParams
@@ -182,7 +184,7 @@ def main_error(monkeypatch, verifier: Path, chat: Path, tmp_path: Path, **overri
     def no_engine(*a, **k):
         raise AssertionError("the engine was started before the input was checked")
 
-    monkeypatch.setattr(regenerate, "make_engine", no_engine)
+    monkeypatch.setattr(regeneration_run, "make_engine", no_engine)
     monkeypatch.setattr(
         sys, "argv", ["regenerate", *args_for(verifier, chat, tmp_path, **overrides)]
     )
@@ -261,15 +263,19 @@ def test_tensor_parallel_size_is_checked_before_the_model_loads(
     assert "regenerate.tensor_parallel_size 3 does not divide" in msg
 
 
+def empty_batch(key: str) -> AnswerBatch:
+    return AnswerBatch(fingerprint=key, rows=[], stats=AnswerCounts(), bad={})
+
+
 def test_restart_keeps_finished_batches_of_the_same_run_only(tmp_path):
     work = tmp_path / "batches"
     work.mkdir()
-    (work / "batch-000000.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
-    (work / "batch-000001.json").write_text(json.dumps({"fingerprint": "other", "rows": []}))
+    empty_batch("same").write(work / "batch-000000.json")
+    empty_batch("other").write(work / "batch-000001.json")
     (work / "batch-000002.json").write_text('{"fingerprint": "same", "ro')  # cut short
-    (work / "batch-000003.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+    empty_batch("same").write(work / "batch-000003.json")
     (work / ".batch-000004.json.tmp-123").write_text("partial")
-    (work / "batch-000009.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+    empty_batch("same").write(work / "batch-000009.json")
     done = regeneration.clean_work_dir(work, "same", num_batches=5)
     assert done == [0, 3]
     assert sorted(p.name for p in work.iterdir()) == ["batch-000000.json", "batch-000003.json"]
@@ -281,10 +287,10 @@ def test_a_job_judges_only_its_own_batch_files(tmp_path):
     work = tmp_path / "batches"
     work.mkdir()
     for b in range(4):
-        (work / f"batch-{b:06d}.json").write_text(json.dumps({"fingerprint": "same", "rows": []}))
+        empty_batch("same").write(work / f"batch-{b:06d}.json")
     (work / ".batch-000004.json.tmp-11").write_text("job 0 writing")
     (work / ".batch-000005.json.tmp-12").write_text("job 1, killed")
-    (work / "batch-000003.json").write_text(json.dumps({"fingerprint": "old", "rows": []}))
+    empty_batch("old").write(work / "batch-000003.json")
     done = regeneration.clean_work_dir(work, "same", num_batches=6, job_index=1, num_jobs=2)
     assert done == [1]
     assert sorted(p.name for p in work.iterdir()) == [
@@ -293,14 +299,15 @@ def test_a_job_judges_only_its_own_batch_files(tmp_path):
 
 
 def write_part(out: Path, job: int, num_jobs: int, batches: list[int], **changes) -> Path:
-    part = {
+    part = RegeneratePart(**{
         "fingerprint": "f", "chat_data": "c.jsonl", "verifier": "v", "num_jobs": num_jobs,
         "job_index": job, "num_batches": 3, "batches": batches, "batches_reused": 0,
-        "rows_in": 3, "bad_rows": {}, "seconds": 1.0, "params": {}, **changes,
-    }  # fmt: skip
+        "rows_in": 3, "bad_rows": {}, "seconds": 1.0, "params": {},
+        "made_by": {"code": "c", "versions": {}}, **changes,
+    })  # fmt: skip
     path = out / "parts" / f"part_{job}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(part))
+    part.write(path)
     return path
 
 
@@ -314,10 +321,11 @@ def merge_error(monkeypatch, out: Path, num_jobs: int) -> str:
 def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch, tmp_path):
     for b in range(3):
         row = {"id": f"r{b}", "messages": [U("q"), A(f"answer {b}")]}
-        stats = {"rows_out": 1, "turns": 1, "generated_tokens": 2}
-        batch = {"fingerprint": "f", "rows": [row], "stats": stats, "bad": {}}
+        stats = AnswerCounts(rows_out=1, turns=1, generated_tokens=2)
         (tmp_path / "batches").mkdir(exist_ok=True)
-        regeneration.batch_path(tmp_path / "batches", b).write_text(json.dumps(batch))
+        AnswerBatch(fingerprint="f", rows=[row], stats=stats, bad={}).write(
+            regeneration.batch_path(tmp_path / "batches", b)
+        )
     write_part(tmp_path, 0, 2, [0, 2])
     write_part(tmp_path, 1, 2, [1])
     monkeypatch.setattr(sys, "argv", ["regenerate_merge", *merge_args(tmp_path, 2)])
@@ -329,7 +337,9 @@ def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch
     write_part(tmp_path, 1, 2, [1], fingerprint="other")
     assert "disagree on fingerprint" in merge_error(monkeypatch, tmp_path, 2)
     write_part(tmp_path, 1, 2, [2])
-    assert "do not cover batches 0..2 once each" in merge_error(monkeypatch, tmp_path, 2)
+    assert "batches [2] are in two parts" in merge_error(monkeypatch, tmp_path, 2)
+    write_part(tmp_path, 1, 2, [])
+    assert "batches [1] are in no part" in merge_error(monkeypatch, tmp_path, 2)
     write_part(tmp_path, 1, 2, [1])
     regeneration.batch_path(tmp_path / "batches", 1).write_text('{"fingerprint": "f", "ro')
     msg = merge_error(monkeypatch, tmp_path, 2)

@@ -194,6 +194,7 @@ from pathlib import Path
 import wandb
 from workflow_scripts.lib.training.reporting import Reporter
 from workflow_scripts.lib.workflow.definitions import TrainParams
+from workflow_scripts.lib.workflow.records import MetricsRow
 
 root, first = Path(sys.argv[1]), int(sys.argv[2])
 run = wandb.init(project="p", id="r1", dir=root, mode="offline")  # the killed process's steps
@@ -201,10 +202,16 @@ for step in range(1, first + 1):
     run.log({"train/loss": 1 / step}, step=step)
 run.finish()
 time.sleep(1.1)  # (W&B names a run's directory after the second it starts in)
-rows = [{"step": step, "split": "train", "loss": 1 / step} for step in range(1, 11)]
+def row(step):
+    return MetricsRow(
+        step=step, split="train", loss=1 / step, kl_per_step=[], top1_agreement=[],
+        top1_agreement_full_vocab=[], acceptance_per_position=[], simulated_acceptance_length=1,
+        positions_per_step=[],
+    )
+rows = [row(step) for step in range(1, 11)]
 report = Reporter(TrainParams(report_to=["wandb"]), root, "r1", 10, rows)  # resumed at 10
 for step in range(11, 21):
-    report.log({"step": step, "split": "train", "loss": 1 / step})
+    report.log(row(step))
 report.close(True)
 """
 

@@ -32,7 +32,7 @@ from tests.workflow_runner import (
     write_config,
 )
 from workflow_scripts.lib.common import sha256_file
-from workflow_scripts.lib.workflow.code_inputs import closure, module_file
+from workflow_scripts.lib.workflow.code_inputs import PLUMBING, closure, module_file
 from workflow_scripts.lib.workflow.config import ConfigError, load_config
 from workflow_scripts.lib.workflow.params_base import EngineSettings
 from workflow_scripts.lib.workflow.registry import STAGES
@@ -199,12 +199,16 @@ def code_files(work: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("rel", code_files(Path(__file__).resolve().parents[1]))
-def test_a_code_edit_plans_the_stages_that_import_it(built, rel):
+def test_a_code_edit_plans_the_stages_that_compute_with_it(built, rel):
+    """An edit to a module plans the stages whose closure it is in, and all after them; one to
+    a module that only checks, plans, launches or names (code_inputs.PLUMBING) plans nothing."""
     work, config, graph = built
     module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     assert module_file(module, work) == work / rel
     importers = {
-        rule_of(stage) for stage, spec in STAGES.items() if module in closure(spec.module, work)
+        rule_of(stage)
+        for stage, spec in STAGES.items()
+        if module in closure(spec.module, work) and module not in PLUMBING
     } & set(
         graph
     )  # (the stages of a disk budget have no job in this build)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests import factories
 from tests.multinode import merged
 from tests.workflow_runner import copy_workflow, dry_run_in_process, jobs_in
 from workflow_scripts.lib.hidden_states import estimate as estimate_module
@@ -40,7 +41,13 @@ from workflow_scripts.lib.workflow.layout import Layout
 def extraction_plan(lengths, final_rows, shard_size, aux_ids, hidden, dtype, storage) -> Plan:
     """An extraction plan of these samples as make_plan lays them out (no data on disk)."""
     cfg = {"num_hidden_layers": 40, "hidden_size": hidden, "vocab_size": 1000}
-    key = {"data_sha256": "d" * 64, "verifier": "v" * 64, "aux_layer_ids": aux_ids, "dtype": dtype}
+    key = {
+        "data_sha256": "d" * 64,
+        "verifier": "v" * 64,
+        "aux_layer_ids": aux_ids,
+        "dtype": dtype,
+        "code": "c" * 64,
+    }
     plan = Plan(Path("v"), cfg, aux_ids, dtype, storage, {}, key, None, len(lengths))
     for index, start in enumerate(range(0, len(lengths), shard_size)):
         ids = list(range(start, min(start + shard_size, len(lengths))))
@@ -118,19 +125,13 @@ def prepared(tmp_path: Path, **stats) -> dict[str, Path]:
     paths["chat_data"].write_text("{}\n")
     paths["tokenized"].write_text("{}\n")
     p = PrepareParams()
-    record = {
-        "chat_data": str(paths["chat_data"]),
-        "verifier": str(paths["verifier"]),
-        "rows_in": 1,
-        "conversations_out": 1,
-        "rows_out": 1,
-        "tokens": 100,
-        "loss_masked_tokens": 40,
-        "max_seq_len_tokens": p.max_seq_len_tokens,
-        "chat_template": p.chat_template.model_dump(),
+    factories.prepare_stats(
+        chat_data=str(paths["chat_data"]),
+        verifier=str(paths["verifier"]),
+        max_seq_len_tokens=p.max_seq_len_tokens,
+        chat_template=p.chat_template.model_dump(),
         **stats,
-    }
-    paths["stats"].write_text(json.dumps(record, indent=2) + "\n")
+    ).write(paths["stats"])
     return paths
 
 

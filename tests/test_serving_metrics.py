@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import factories
 from tests.test_train import FAST, small_draft
 from tests.train_data_for_tests import build_inputs, read_metrics
 from workflow_scripts.lib.draft.model import TeacherHead, shift_left
@@ -121,12 +122,12 @@ def test_bootstrap_interval_over_prompts():
 
 def test_evaluation_reads_what_training_selected(tmp_path):
     rows = [
-        {"step": 4, "split": "val", "acceptance_per_position": [0.5, 0.25, 0.1]},
-        {"step": 8, "split": "val", "acceptance_per_position": [0.4, 0.2, 0.1]},
-        {"step": 4, "split": "selected", "acceptance_per_position": [0.5, 0.25, 0.1]},
+        factories.metrics_row(4, "val", [0.5, 0.25, 0.1]),
+        factories.metrics_row(8, "val", [0.4, 0.2, 0.1]),
+        factories.metrics_row(4, "selected", [0.5, 0.25, 0.1]),
     ]
     path = tmp_path / METRICS
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(r.line() for r in rows))
     got = simulated_acceptance(path, 2)
     assert got == {
         "step": 4,
@@ -134,7 +135,7 @@ def test_evaluation_reads_what_training_selected(tmp_path):
         "mean_acceptance_length": 1.75,
     }
     assert simulated_acceptance(path, 4)["mean_acceptance_length"] is None  # trained for 3
-    path.write_text(json.dumps(rows[1]) + "\n")
+    path.write_text(rows[1].line())
     assert simulated_acceptance(path, 3)["step"] == 8
 
 

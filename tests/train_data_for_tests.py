@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests import factories
 from workflow_scripts.lib.draft.vocab_map import build_maps, select_vocab
 from workflow_scripts.lib.hidden_states import manifest, shards
+from workflow_scripts.lib.hidden_states.shard_writer import write_samples
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import TrainParams
@@ -135,7 +136,8 @@ def write_extraction(
             aux, final = hidden_states(model, ids, aux_ids)
             states.append(shards.SampleStates(aux, final, ids, mask))
         path = out_dir / manifest.shard_name(len(paths))
-        shards.write_shard(path, states, s0, f"test-{s0}", storage=shards.TORCH_DTYPES[storage])
+        meta = {"fingerprint": f"test-{s0}", "sample_start": str(s0)}
+        write_samples(path, states, meta, storage=shards.TORCH_DTYPES[storage])
         paths.append(path)
     record = factories.manifest(
         paths, out_dir, verifier_dir, list(aux_ids), storage=storage, shard_size=shard_size

@@ -27,6 +27,7 @@ from workflow_scripts.lib.workflow.code_inputs import shard_code_fingerprint
 from workflow_scripts.lib.workflow.config import WorkflowConfig
 from workflow_scripts.lib.workflow.definitions import EngineSettings
 from workflow_scripts.lib.workflow.layout import Layout
+from workflow_scripts.lib.workflow.records import PrepareStats
 from workflow_scripts.lib.workflow.registry import STAGES
 
 
@@ -124,9 +125,11 @@ def check_run(
     except UserError as exc:
         raise UserError(f"the config asks for more nodes than there are:\n  {exc}") from None
     # The global batch against the prepared samples, once prepare has counted them.
-    stats = layout.prepare.stats
     try:
-        rows = json.loads(stats.read_text()).get("rows_out") if stats.exists() else None
+        rows = PrepareStats.read(layout.prepare.stats).rows_out
+    except UserError:  # not made yet, or by other code: prepare runs first
+        rows = None
+    try:
         warnings += preflight.check_global_batch(cfg, rows, targets)
     except UserError as exc:
         raise UserError(f"the batch does not fit the data:\n  {exc}") from None

@@ -22,10 +22,10 @@ from workflow_scripts.lib.common import (
     UserError,
     atomic_path,
     run_main,
-    write_json,
 )
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.code_inputs import made_by
+from workflow_scripts.lib.workflow.records import PrepareStats
 
 log = logging.getLogger("eagle3")
 
@@ -65,17 +65,16 @@ def main() -> None:
                 f"chat template of {io.verifier} with chat_template {p.chat_template.model_dump()}"
             )
     progress.log()
-    stats = {
-        "chat_data": str(io.chat_data),
-        "verifier": str(io.verifier),
-        **{k: v for k, v in counts.items() if k != "dropped"},
-        "max_seq_len_tokens": p.max_seq_len_tokens,
-        "chat_template": p.chat_template.model_dump(),
-        "dropped": counts["dropped"],
-        "made_by": made_by("prepare"),
-    }
-    write_json(io.stats, stats)
-    log.info("prepare: done: %s", json.dumps(stats))
+    stats = PrepareStats(
+        chat_data=str(io.chat_data),
+        verifier=str(io.verifier),
+        **counts,
+        max_seq_len_tokens=p.max_seq_len_tokens,
+        chat_template=p.chat_template.model_dump(),
+        made_by=made_by("prepare"),
+    )
+    stats.write(io.stats)
+    log.info("prepare: done: %s", stats.model_dump_json())
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """regenerate_merge: the regenerate jobs' batches -> one chat dataset, in input order, and stats.
 
-``regeneration_merge.merge`` checks that the parts come from one run (same fingerprint, batch count and
-job count), that every batch is some job's exactly once, and that every batch file is there
-with that fingerprint. The batch files stay where they are: they are what this step reads, and a
-restarted regenerate job reuses them.
+``regeneration.merge.merge`` checks that the parts come from one run (same fingerprint, batch
+count and job count), that every batch is some job's exactly once, and that every batch file is
+there with that fingerprint. The batch files stay where they are: they are what this step reads,
+and a restarted regenerate job reuses them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
-from workflow_scripts.lib.common import run_main, write_json
+from workflow_scripts.lib.common import run_main
 from workflow_scripts.lib.regeneration.merge import merge
 from workflow_scripts.lib.workflow import cli
 
@@ -21,8 +20,8 @@ log = logging.getLogger("eagle3")
 def main() -> None:
     io, _ = cli.parse("regenerate_merge")
     stats = merge(io)
-    write_json(io.stats, stats)
-    log.info("regenerate_merge: %s", json.dumps({k: v for k, v in stats.items() if k != "params"}))
+    stats.write(io.stats)
+    log.info("regenerate_merge: %s", stats.model_dump_json(exclude={"params", "made_by"}))
 
 
 if __name__ == "__main__":

@@ -1,2 +1,3 @@
 """Evaluation: acceptance length under vLLM speculative decoding, against n-gram speculation on
-the same prompts (``acceptance``), and its plots (``plots``)."""
+the same prompts (``acceptance``: the engines, their counters, the intervals), the stage's work
+(``run``), what it writes (``records``), and its plots (``plots``)."""

@@ -24,6 +24,7 @@ from workflow_scripts.lib.data.layouts import prompt_layout, prompt_row
 from workflow_scripts.lib.data.readers import iter_rows
 from workflow_scripts.lib.verifier.engine import close_llm, make_llm
 from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
+from workflow_scripts.lib.workflow.records import MetricsRow
 from workflow_scripts.lib.workflow.sources import PromptSource
 
 log = logging.getLogger("eagle3")
@@ -352,16 +353,14 @@ def per_set(
 def simulated_acceptance(metrics_path: Path, k: int) -> dict[str, Any] | None:
     """What training simulated for the draft it wrote, on its held-out split: the ``selected``
     row of its metrics (else the last validation), cut to k draft positions."""
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
-    chosen = [r for r in rows if r.get("split") == "selected"] or [
-        r for r in rows if r.get("split") == "val"
-    ]
-    if not chosen or "acceptance_per_position" not in chosen[-1]:
+    rows = MetricsRow.read_all(metrics_path)
+    chosen = [r for r in rows if r.split == "selected"] or [r for r in rows if r.split == "val"]
+    if not chosen:
         return None
     row = chosen[-1]
-    rates = row["acceptance_per_position"][:k]
+    rates = row.acceptance_per_position[:k]
     return {
-        "step": row["step"],
+        "step": row.step,
         "acceptance_rate_per_position": rates,
         "mean_acceptance_length": 1 + sum(rates) if len(rates) == k else None,
     }

@@ -4,9 +4,10 @@ curves."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from workflow_scripts.lib.workflow.records import MetricsRow
 
 
 def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
@@ -78,22 +79,23 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
 
     plot_by_context(results, plot_dir / "acceptance_by_context.png")
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r.get("split", "train") == "train" and "loss" in r]
-    val = [r for r in rows if r.get("split") == "val" and "loss" in r]
+    rows = MetricsRow.read_all(metrics_path)
+    train = [r for r in rows if r.split == "train"]
+    val = [r for r in rows if r.split == "val"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for series, label in ((train, "train"), (val, "held-out")):
         if series:
-            axes[0].plot([r["step"] for r in series], [r["loss"] for r in series], label=label)
+            axes[0].plot([r.step for r in series], [r.loss for r in series], label=label)
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("loss (forward KL)")
     axes[0].legend()
     source = val or train
-    key = "acceptance_per_position"
-    if source and key in source[-1]:
-        for k in range(len(source[-1][key])):
+    if source:
+        for k in range(len(source[-1].acceptance_per_position)):
             axes[1].plot(
-                [r["step"] for r in source], [r[key][k] for r in source], label=f"position {k + 1}"
+                [r.step for r in source],
+                [r.acceptance_per_position[k] for r in source],
+                label=f"position {k + 1}",
             )
         axes[1].set_ylim(0, 1)
         axes[1].legend()

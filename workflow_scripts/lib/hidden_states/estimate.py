@@ -15,7 +15,6 @@ the dry-run stays within seconds.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -28,6 +27,7 @@ from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.verifier import preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.workflow.layout import Layout
+from workflow_scripts.lib.workflow.records import PrepareStats, RegenerateStats
 
 STORAGE_CHOICES = ("float32", "bfloat16", "float8_e4m3fn")  # disk_plan.py's, without torch
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -82,12 +82,10 @@ def prepared_counts(
     if not (stats_path.is_file() and tokenized.is_file()):
         return None, "prepare has not run"
     try:
-        stats = json.loads(stats_path.read_text())
-        counts = Counts(
-            int(stats["rows_out"]), int(stats["tokens"]), int(stats["loss_masked_tokens"])
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+        stats = PrepareStats.read(stats_path)
+    except UserError:
         return None, f"{stats_path} is not prepare's statistics"
+    counts = Counts(stats.rows_out, stats.tokens, stats.loss_masked_tokens)
     current = {
         "chat_data": os.path.abspath(chat_data),
         "verifier": os.path.abspath(verifier_dir),
@@ -95,10 +93,10 @@ def prepared_counts(
         "chat_template": p_prepare.chat_template.model_dump(mode="json"),
     }
     recorded = {
-        "chat_data": os.path.abspath(stats.get("chat_data", "")),
-        "verifier": os.path.abspath(stats.get("verifier", "")),
-        "max_seq_len_tokens": stats.get("max_seq_len_tokens"),
-        "chat_template": stats.get("chat_template"),
+        "chat_data": os.path.abspath(stats.chat_data),
+        "verifier": os.path.abspath(stats.verifier),
+        "max_seq_len_tokens": stats.max_seq_len_tokens,
+        "chat_template": stats.chat_template,
     }
     changed = [key for key in current if current[key] != recorded[key]]
     if changed:
@@ -209,12 +207,12 @@ def run_estimate(
             )
     if cfg.regenerate.enabled and regenerate_stats.is_file():
         try:
-            regen = json.loads(regenerate_stats.read_text())
+            regen = RegenerateStats.read(regenerate_stats)
             lines.append(
-                f"  regenerate (done): {int(regen['prompt_tokens']):,} prompt tokens, "
-                f"{int(regen['generated_tokens']):,} generated"
+                f"  regenerate (done): {regen.prompt_tokens:,} prompt tokens, "
+                f"{regen.generated_tokens:,} generated"
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except UserError:  # made by other code: the dry-run plans it again
             pass
     if evaluates:
         e = cfg.evaluate

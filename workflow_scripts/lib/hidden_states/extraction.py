@@ -36,7 +36,12 @@ from workflow_scripts.lib.hidden_states.shards import (
 )
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
-from workflow_scripts.lib.workflow.code_inputs import made_by, shard_code_fingerprint
+from workflow_scripts.lib.workflow.code_inputs import (
+    made_by,
+    resume_key,
+    shard_code_fingerprint,
+)
+from workflow_scripts.lib.workflow.jobs import job_units
 from workflow_scripts.lib.workflow.layout import STATS
 
 log = logging.getLogger("eagle3")
@@ -191,11 +196,13 @@ def shard_key(key: dict[str, Any], storage: str) -> dict[str, Any]:
 
 
 def fingerprint(common_key: dict[str, Any], shard: ShardPlan) -> str:
-    blob = json.dumps(
-        {**common_key, "sample_range": [shard.start, shard.end], "skipped": shard.skipped},
-        sort_keys=True,
+    """A shard's resume key: ``common_key`` (its ``code``, the shards' code fingerprint, apart)
+    and its samples."""
+    what = {k: v for k, v in common_key.items() if k != "code"}
+    return resume_key(
+        {**what, "sample_range": [shard.start, shard.end], "skipped": shard.skipped},
+        common_key["code"],
     )
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def existing_entry(shard: ShardPlan) -> dict[str, Any] | None:
@@ -233,11 +240,10 @@ def remember_entry(path: Path, entry: dict[str, Any]) -> dict[str, Any]:
 
 def make_plan(io, p) -> Plan:
     """Every check that needs no model, in order; a UserError at the first failure."""
-    if io.job_index >= p.num_jobs:
-        raise UserError(f"job index {io.job_index} but extract.num_jobs is {p.num_jobs}")
     cfg = verifier_files.verifier_config(io.verifier)
     identity = verifier_files.identity(io.verifier)  # the weight files checked too
-    aux_ids = preflight.check_extract(p, cfg)
+    preflight.check_extract(p, cfg)
+    aux_ids = verifier_files.aux_layer_ids(cfg, p.aux_layer_ids)
     dtype = engine.resolve_dtype(p, cfg)
     storage = storage_dtype_name(p.storage_dtype, dtype)
     vocab_size = int(cfg["vocab_size"])
@@ -296,7 +302,7 @@ def make_plan(io, p) -> Plan:
     limit = p.max_model_len_tokens - 1  # vLLM keeps one position for the generated token
     too_long: list[tuple[int, int]] = []
     S = p.shard_size_samples
-    for index in range(io.job_index, common["num_shards"], p.num_jobs):
+    for index in job_units(io.job_index, p.num_jobs, common["num_shards"], "extract"):
         shard = ShardPlan(
             index,
             index * S,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workflow_scripts.lib.common import UserError, sha256_file
+from workflow_scripts.lib.workflow.jobs import check_parts
 from workflow_scripts.lib.hidden_states.records import (
     FORMAT_VERSION,
     LAYER_CONVENTION,
@@ -72,14 +73,16 @@ def merge_parts(parts: list[tuple[Path, ExtractPart]], manifest_path: Path) -> M
                 f"{path} and {first_path} disagree on {', '.join(diff)}: they come from different "
                 "extraction runs; rerun extraction"
             )
-    jobs = sorted(part.job_index for _, part in parts)
-    if jobs != list(range(first.num_jobs)):
-        raise UserError(f"parts of jobs {jobs}, expected one for each of 0..{first.num_jobs - 1}")
-
+    check_parts(
+        [part.job_index for _, part in parts],
+        [part.shard_indices for _, part in parts],
+        first.num_jobs,
+        first.num_shards,
+        "shards",
+        "rerun extraction",
+    )
     entries = {}
-    assigned: set[int] = set()
     for path, part in parts:
-        assigned.update(part.shard_indices)
         for entry in part.shards:
             if entry.index in entries:
                 raise UserError(f"shard {entry.index} appears in two parts (second: {path})")
@@ -93,9 +96,6 @@ def merge_parts(parts: list[tuple[Path, ExtractPart]], manifest_path: Path) -> M
                 )
             file = os.path.relpath(shard, manifest_path.parent.resolve())
             entries[entry.index] = entry.model_copy(update={"file": file})
-    missing = sorted(set(range(first.num_shards)) - assigned)
-    if missing:
-        raise UserError(f"shards {missing[:10]} were assigned to no job; rerun extraction")
     shards = [entries[i] for i in sorted(entries)]
     skipped = sorted(i for _, part in parts for i in part.skipped_too_long)
     manifest = Manifest(

@@ -9,14 +9,14 @@ record written through its model has the bytes it had as a dict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from workflow_scripts.lib.common import UserError, write_json
+from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.records import MadeBy, Record
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = (
@@ -27,38 +27,6 @@ LAYER_CONVENTION = (
 DTYPES = ("float32", "bfloat16", "float16")
 # shards.TORCH_DTYPES' names (no torch here: the merge job starts fast)
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-
-
-class Record(BaseModel):
-    """A record's fields are exactly those written: a missing or unknown key is refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @classmethod
-    def read(cls, path: Path):
-        """The record in ``path``; a UserError naming the file and the field where it is not one."""
-        try:
-            return cls.model_validate(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read {path}: {exc}") from None
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise UserError(
-                f"{path}: not a {cls.__name__} of this workflow ({where}: {first['msg']}); "
-                "rerun the stage that wrote it"
-            ) from None
-
-    def write(self, path: Path) -> None:
-        write_json(path, self.model_dump(mode="json", exclude_unset=True))
-
-
-class MadeBy(Record):
-    """What made a record: the fingerprint of the code that computed it (lib/workflow/
-    code_inputs.py) and the versions of vLLM, torch and transformers."""
-
-    code: str
-    versions: dict[str, str]
 
 
 class VerifierRef(Record):

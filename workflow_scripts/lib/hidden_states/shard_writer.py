@@ -19,6 +19,7 @@ from safetensors import safe_open
 from workflow_scripts.lib.common import sha256_file
 from workflow_scripts.lib.hidden_states.shards import (
     DTYPE_NAMES,
+    SampleStates,
     TORCH_DTYPES,
     encode_states,
     read_runs,
@@ -238,3 +239,26 @@ class ShardJob:
                 self.metadata,
             )
         return self.writer
+
+
+def write_samples(
+    path: Path,
+    samples: list[SampleStates],
+    metadata: dict[str, str],
+    storage: torch.dtype | None = None,
+) -> dict[str, object]:
+    """A whole shard of samples whose states are in memory, through the writer extraction uses
+    (``storage`` None: the states' own dtype); returns its manifest entry (file name relative)."""
+    first = samples[0].aux_hidden_states
+    writer = ShardWriter(
+        path,
+        [s.input_ids for s in samples],
+        [s.loss_mask for s in samples],
+        int(first.shape[1]),
+        int(first.shape[2]),
+        storage or first.dtype,
+        metadata,
+    )
+    for i, sample in enumerate(samples):
+        writer.put(i, sample.aux_hidden_states, sample.final_hidden_states)
+    return writer.finish()

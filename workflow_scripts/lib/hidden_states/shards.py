@@ -45,9 +45,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-
-from workflow_scripts.lib.common import atomic_path, sha256_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -148,41 +145,6 @@ def select_rows(x: torch.Tensor, runs: list[list[int]]) -> torch.Tensor:
     if not runs:
         return x[:0]
     return torch.cat([x[a:b] for a, b in runs])
-
-
-def write_shard(
-    path: Path,
-    samples: list[SampleStates],
-    sample_start: int,
-    fingerprint: str,
-    storage: torch.dtype | None = None,
-):
-    """Write samples (final states at every position) as one shard, atomically (``storage``
-    None: the states' own dtype); return its manifest entry (file name relative)."""
-    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.int64)
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    rows = [s.final_hidden_states[read_positions(s.loss_mask)] for s in samples]
-    final_offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    final_offsets[1:] = torch.cumsum(torch.tensor([len(r) for r in rows], dtype=torch.int64), 0)
-    aux = torch.cat([s.aux_hidden_states for s in samples])
-    tensors = {
-        **encode_states(aux, torch.cat(rows), storage or aux.dtype),
-        "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
-        "sample_offsets": offsets,
-        "final_offsets": final_offsets,
-    }
-    meta = {"fingerprint": fingerprint, "sample_start": str(sample_start)}
-    with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-    return {
-        "file": path.name,
-        "sample_start": sample_start,
-        "num_samples": len(samples),
-        "num_tokens": int(offsets[-1]),
-        "sha256": sha256_file(path),
-    }
 
 
 def shard_fingerprint(path: Path) -> str | None:

@@ -32,7 +32,6 @@ answers after them), so that no tool result is ever paired with a call it does n
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from array import array
@@ -52,10 +51,11 @@ from workflow_scripts.lib.chat.rows import (
     skip_or_fail,
 )
 from workflow_scripts.lib.chat.template import ChatTemplate
-from workflow_scripts.lib.common import Progress
+from workflow_scripts.lib.common import Progress, UserError
+from workflow_scripts.lib.regeneration.records import AnswerBatch, AnswerCounts
 from workflow_scripts.lib.verifier import engine
 from workflow_scripts.lib.verifier import files as verifier_files
-from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
+from workflow_scripts.lib.workflow.code_inputs import resume_key, stage_fingerprint
 
 log = logging.getLogger("eagle3")
 SETTING = "regenerate.on_bad_row"
@@ -265,9 +265,9 @@ def answer_batch(
     return counts
 
 
-def batch_result(p, convs: list[Conversation], counts: Counter) -> dict[str, Any]:
-    """The rows to write and the batch's statistics; a too-long first prompt fails or is
-    skipped here (on_bad_row)."""
+def batch_result(p, convs: list[Conversation], counts: Counter, key: str) -> AnswerBatch:
+    """The rows to write and the batch's statistics, under its resume key ``key``; a too-long
+    first prompt fails or is skipped here (on_bad_row)."""
     rows, bad = [], Counter()
     stats = Counter(counts)
     for conv in convs:
@@ -296,7 +296,7 @@ def batch_result(p, convs: list[Conversation], counts: Counter) -> dict[str, Any
             }
         )
     stats["rows_out"] = len(rows)
-    return {"rows": rows, "stats": dict(stats), "bad": dict(bad)}
+    return AnswerBatch(fingerprint=key, rows=rows, stats=AnswerCounts(**stats), bad=dict(bad))
 
 
 # --------------------------------------------------------------------------- batches on disk
@@ -313,7 +313,6 @@ def fingerprint(io, p, index: Index, dtype: str) -> str:
         "verifier": verifier_files.fingerprint(io.verifier),
         "dtype": dtype,
         "chat_template": p.chat_template.model_dump(mode="json"),
-        "code": stage_fingerprint("regenerate"),
         **p.model_dump(
             include={
                 "temperature",
@@ -327,19 +326,20 @@ def fingerprint(io, p, index: Index, dtype: str) -> str:
             }
         ),
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return resume_key(key, stage_fingerprint("regenerate"))
 
 
 def batch_path(work_dir: Path, b: int) -> Path:
     return work_dir / f"batch-{b:06d}.json"
 
 
-def load_batch(path: Path, expected: str) -> dict[str, Any] | None:
+def load_batch(path: Path, expected: str) -> AnswerBatch | None:
+    """The finished batch in ``path`` if it was computed for the resume key ``expected``."""
     try:
-        batch = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        batch = AnswerBatch.read(path)
+    except UserError:  # cut short, or written by other code
         return None
-    return batch if batch.get("fingerprint") == expected else None
+    return batch if batch.fingerprint == expected else None
 
 
 BATCH_FILE = re.compile(r"^\.?batch-(\d{6})\.json(\.tmp-\d+)?$")

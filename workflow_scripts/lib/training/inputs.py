@@ -7,7 +7,6 @@ resumable training state must carry.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from workflow_scripts.lib.training.disk_budget import load_stream_plan
 from workflow_scripts.lib.training.processes import Dist
 from workflow_scripts.lib.training.stream import StreamedIndex, engine_command
 from workflow_scripts.lib.verifier import files as verifier_files
-from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
+from workflow_scripts.lib.workflow.code_inputs import resume_key, stage_fingerprint
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.registry import TrainIO
 
@@ -181,9 +180,7 @@ def run_fingerprint(io: TrainIO, p: TrainParams) -> str:
         "verifier": verifier_files.fingerprint(io.verifier),
         "init_from": [sha256_file(f) for f in init_from.files(p.init_from)],
     }
-    code = stage_fingerprint("train")
-    blob = json.dumps({"settings": settings, "files": files, "code": code}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return resume_key({"settings": settings, "files": files}, stage_fingerprint("train"))
 
 
 def check_inputs(

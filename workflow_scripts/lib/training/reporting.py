@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 from workflow_scripts.lib.common import UserError, atomic_path
 from workflow_scripts.lib.workflow.definitions import TrainParams
+from workflow_scripts.lib.workflow.records import MetricsRow
 
 log = logging.getLogger("eagle3")
 
@@ -46,31 +47,28 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_rows(path: Path) -> list[MetricsRow]:
+    return MetricsRow.read_all(path)
 
 
 def keep_rows(path: Path, until: int) -> None:
     """Keep the metrics rows up to step ``until`` (none for -1): a killed run may have logged
     past the state it resumes from."""
-    lines = path.read_text().splitlines() if path.exists() and until >= 0 else []
-    lines = [line for line in lines if line.strip() and json.loads(line)["step"] <= until]
+    rows = read_rows(path) if until >= 0 else []
     with atomic_path(path) as tmp:
-        tmp.write_text("".join(line + "\n" for line in lines))
+        tmp.write_text("".join(row.line() for row in rows if row.step <= until))
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
+def append_row(path: Path, row: MetricsRow) -> None:
     with open(path, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
+        fh.write(row.line())
 
 
-def scalars(row: dict[str, Any]) -> dict[str, float]:
+def scalars(row: MetricsRow) -> dict[str, float]:
     """A metrics row as the backends' scalars (see the module's docstring)."""
     out = {}
-    for key, value in row.items():
-        name = f"{row['split']}/{key}"
+    for key, value in row.model_dump(exclude_unset=True).items():
+        name = f"{row.split}/{key}"
         if isinstance(value, list):
             out.update({f"{name}/{i}": float(v) for i, v in enumerate(value, 1)})
         elif isinstance(value, (int, float)) and key != "step":
@@ -169,7 +167,9 @@ class Reporter:
     """The backends of ``train.report_to`` for one training run, sent the rows of metrics.jsonl
     that each lacks (``rows``: those a resumed run keeps), then every new one."""
 
-    def __init__(self, p: TrainParams, root: Path, run_id: str, resumed: int, rows: list[dict]):
+    def __init__(
+        self, p: TrainParams, root: Path, run_id: str, resumed: int, rows: list[MetricsRow]
+    ):
         root.mkdir(parents=True, exist_ok=True)
         self.backends: list[TensorBoard | WandB] = []
         for name in p.report_to:
@@ -180,13 +180,13 @@ class Reporter:
         for row in rows:
             self.log(row)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: MetricsRow) -> None:
         values = scalars(row)
         for backend in self.backends:
-            if row["step"] > backend.held:
-                backend.log(row["step"], values)
+            if row.step > backend.held:
+                backend.log(row.step, values)
 
-    def summary(self, row: dict[str, Any]) -> None:
+    def summary(self, row: MetricsRow) -> None:
         """The validation whose weights the draft has (the ``selected`` row)."""
         for backend in self.backends:
             backend.summary(scalars(row))

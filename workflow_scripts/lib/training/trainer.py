@@ -56,6 +56,7 @@ from workflow_scripts.lib.training.setup import (
 from workflow_scripts.lib.training.stream import Stream
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.layout import METRICS
+from workflow_scripts.lib.workflow.records import MetricsRow
 from workflow_scripts.lib.workflow.registry import TrainIO
 
 log = logging.getLogger("eagle3")
@@ -250,7 +251,7 @@ class Trainer:
                 tmp.write_text(json.dumps(self.best))
         self.d.barrier()
 
-    def write_metrics(self, row: dict) -> None:
+    def write_metrics(self, row: MetricsRow) -> None:
         if self.d.main:
             reporting.append_row(self.state_dir / METRICS, row)
             if self.report is not None:
@@ -319,8 +320,7 @@ class Trainer:
                 )
             stats += torch.stack([s[k] for k in STAT_KEYS])
         summary = summarize(self.d.all_sum(stats), self.p.ttt_step_loss_decay, self.serve_k)
-        row = {"step": self.step, "split": "val", **summary}
-        self.write_metrics(row)
+        self.write_metrics(MetricsRow(step=self.step, split="val", **summary))
         if self.d.main:
             log.info(
                 "validation at step %d: loss %.4f, top-1 agreement per TTT step %s (%d positions)",
@@ -379,18 +379,18 @@ class Trainer:
             window_tokens += tokens
             done = self.step - first_step
             eta = (now - started) / done * (total - self.step)
-            row = {
-                "step": self.step,
-                "split": "train",
-                "epoch": self.plan.locate(self.step - 1)[0],
+            row = MetricsRow(
+                step=self.step,
+                split="train",
+                epoch=self.plan.locate(self.step - 1)[0],
                 **summary,
-                "lr": self.lr,
-                "grad_norm": grad_norm,
-                "tokens": tokens,
-                "tokens_per_s": round(tokens / max(now - last, 1e-9), 1),
-                "elapsed_s": round(now - started, 3),
-                "eta_s": round(eta, 1),
-            }
+                lr=self.lr,
+                grad_norm=grad_norm,
+                tokens=tokens,
+                tokens_per_s=round(tokens / max(now - last, 1e-9), 1),
+                elapsed_s=round(now - started, 3),
+                eta_s=round(eta, 1),
+            )
             last = now
             self.write_metrics(row)
             if d.main and (done == 1 or self.step % p.log_every_steps == 0 or self.step == total):
@@ -399,10 +399,10 @@ class Trainer:
                     "%.0f tokens/s, ETA %s%s",
                     self.step,
                     total,
-                    row["epoch"] + 1,
+                    row.epoch + 1,
                     summary["loss"],
                     fmt_list(summary["top1_agreement"]),
-                    row["lr"],
+                    row.lr,
                     window_tokens / max(now - window_start, 1e-9),
                     format_seconds(eta),
                     gpu_memory(d.device),
@@ -430,8 +430,8 @@ class Trainer:
             if self.best["step"] != self.step:
                 weights = torch.load(self.state_dir / BEST_FILE, map_location="cpu")
                 self.model.load_state_dict(weights, strict=False)
-            row = {"step": self.best["step"], "split": "selected", **self.best["summary"]}
-            metrics += (json.dumps(row) + "\n").encode()
+            row = MetricsRow(step=self.best["step"], split="selected", **self.best["summary"])
+            metrics += row.line().encode()
             if self.report is not None:
                 self.report.summary(row)
             summary = self.best["summary"]

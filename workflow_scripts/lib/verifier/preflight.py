@@ -101,9 +101,9 @@ def cpu_runs(dtype: str) -> bool:
     return "avx512f" in cpu_flags()
 
 
-def check_engine(settings, section: str, cfg: dict[str, Any]) -> str:
+def check_engine(settings, section: str, cfg: dict[str, Any]) -> None:
     """A vLLM stage's engine settings (config keys ``<section>.*``) against the verifier and this
-    machine; returns the dtype the engine runs in."""
+    machine."""
     check_parallel(cfg, settings.tensor_parallel_size, section)
     if settings.pipeline_parallel_size > 1 and not settings.use_gpus:
         raise UserError(
@@ -125,7 +125,6 @@ def check_engine(settings, section: str, cfg: dict[str, Any]) -> str:
             f"with SIGILL after loading); set {section}.dtype: float32, or run on GPUs"
         )
     memory.check_kv_cache(settings, section, cfg, dtype)
-    return dtype
 
 
 def check_eagle3(settings, section: str, cfg: dict[str, Any], need: str, in_job: bool) -> None:
@@ -154,9 +153,9 @@ def check_eagle3(settings, section: str, cfg: dict[str, Any], need: str, in_job:
         )
 
 
-def check_extract(p, cfg: dict[str, Any], in_job: bool = True) -> list[int]:
-    """The extract settings; returns the auxiliary layer ids, ascending."""
-    aux = verifier_files.aux_layer_ids(cfg, p.aux_layer_ids)
+def check_extract(p, cfg: dict[str, Any], in_job: bool = True) -> None:
+    """The extract settings."""
+    verifier_files.aux_layer_ids(cfg, p.aux_layer_ids)  # refuses ids the verifier has not
     if p.backend == "vllm" and p.pipeline_parallel_size > 1:
         raise UserError(
             f"extract.pipeline_parallel_size {p.pipeline_parallel_size}: vLLM's hidden-state "
@@ -176,14 +175,12 @@ def check_extract(p, cfg: dict[str, Any], in_job: bool = True) -> list[int]:
         )
     else:
         check_parallel(cfg, p.tensor_parallel_size, "extract")
-    return aux
 
 
-def check_evaluate(p, cfg: dict[str, Any], in_job: bool = True) -> str:
-    """The evaluate settings; returns the engine's dtype."""
-    dtype = check_engine(p, "evaluate", cfg)
+def check_evaluate(p, cfg: dict[str, Any], in_job: bool = True) -> None:
+    """The evaluate settings."""
+    check_engine(p, "evaluate", cfg)
     check_eagle3(p, "evaluate", cfg, "serve an EAGLE-3 draft beside it (evaluation does)", in_job)
-    return dtype
 
 
 def check_tokenizer(verifier_dir: Path | str, trust_remote_code: bool = False) -> None:

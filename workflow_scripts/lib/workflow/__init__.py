@@ -1,4 +1,7 @@
 """The workflow's contracts and plumbing: every stage's typed settings (``definitions``,
-``train_params``, on ``params_base``), config.yaml's model and JSON schema (``config``), the stage
-registry (``registry``), command lines and the scripts' parsers (``cli``), the code a stage runs
-(``code_inputs``) and GPU leases for local jobs (``gpus``). Imports nothing else of the library."""
+``train_params``, on ``params_base``), config.yaml's model and JSON schema (``config``), the data
+sources' settings (``sources``), the stage registry (``registry``), the paths under results_dir
+(``layout``), the records' base and the summaries the dry-run reads (``records``), a stage's
+data-parallel jobs (``jobs``), command lines and the scripts' parsers (``cli``), the code a stage
+runs and the keys of what it resumes (``code_inputs``), GPU leases for local jobs (``gpus``) and
+the launcher of a job over several nodes (``nodes``). Imports only ``common`` of the library."""

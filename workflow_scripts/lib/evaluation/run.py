@@ -1,0 +1,184 @@
+"""The evaluate stage's work (``evaluate(io, p)``): the held-out prompts served by the verifier in
+vLLM three times, each engine in its own process (without speculation, with the EAGLE-3 draft,
+with n-gram), greedy and optionally sampled; the acceptance from vLLM's counters with intervals
+over prompts, per set and by context length; the greedy outputs with a speculator held to those
+without; and the summary (lib/evaluation/records.py: ``EvalResults``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from workflow_scripts.lib.chat.template import load_template
+from workflow_scripts.lib.common import UserError, read_json
+from workflow_scripts.lib.evaluation.acceptance import (
+    acceptance_by_context,
+    acceptance_with_ci,
+    load_prompt_sets,
+    per_set,
+    run_in_child,
+    simulated_acceptance,
+)
+from workflow_scripts.lib.evaluation.records import EvalResults
+from workflow_scripts.lib.verifier import engine, preflight
+from workflow_scripts.lib.verifier import files as verifier_files
+from workflow_scripts.lib.workflow.code_inputs import made_by
+from workflow_scripts.lib.workflow.definitions import EvaluateParams
+from workflow_scripts.lib.workflow.registry import EvaluateIO
+
+log = logging.getLogger("eagle3")
+
+
+def check_draft(io: EvaluateIO) -> None:
+    draft_cfg = read_json(io.draft / "config.json")
+    mla = draft_cfg.get("architectures") == ["Eagle3DeepseekV2ForCausalLM"]
+    if draft_cfg.get("speculators_model_type") != "eagle3" and not mla:
+        raise UserError(
+            f"{io.draft}/config.json is neither an EAGLE-3 speculators checkpoint nor an MLA "
+            "EAGLE-3 draft (Eagle3DeepseekV2ForCausalLM)"
+        )
+
+
+def speculators(io: EvaluateIO, p: EvaluateParams, engine_args: dict) -> dict[str, Any]:
+    """The engines' speculative configs: none, the draft, n-gram."""
+    # vLLM selects a draft's attention backend anew: the one named for the verifier (the CPU's
+    # reference MLA backend, lib/verifier/engine.py) is named for the draft too
+    backend = {key: v for key, v in engine_args.items() if key == "attention_backend"}
+    return {
+        "baseline": None,
+        "eagle3": {
+            "method": "eagle3",
+            "model": str(io.draft),
+            "num_speculative_tokens": p.num_speculative_tokens,
+            **backend,
+        },
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": p.num_speculative_tokens,
+            "prompt_lookup_max": p.ngram_prompt_lookup_max,
+            "prompt_lookup_min": p.ngram_prompt_lookup_min,
+        },
+    }
+
+
+def greedy_mismatches(prompts: list[dict], outputs: dict[str, list]) -> dict[str, list]:
+    """Per speculator, the ids of the prompts whose greedy outputs differ from the verifier's
+    alone (vLLM's speculative decoding is lossless: none)."""
+    mismatches = {}
+    for name in ("eagle3", "ngram"):
+        differ = [
+            prompts[i]["id"]
+            for i, (a, b) in enumerate(zip(outputs["baseline"], outputs[name]))
+            if a != b
+        ]
+        mismatches[name] = differ
+        if differ:
+            log.warning(
+                "evaluate: greedy outputs with %s differ from the verifier's alone for %d of %d "
+                "prompts: %s",
+                name,
+                len(differ),
+                len(prompts),
+                ", ".join(map(str, differ[:10])),
+            )
+    return mismatches
+
+
+def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
+    check_draft(io)
+    sets = p.eval_prompts.root
+    template = load_template(io.verifier, p.chat_template)
+    prompts = load_prompt_sets(sets, template, p.max_prompts, p.max_model_len_tokens)
+    log.info(
+        "evaluate: %d prompts: %s",
+        len(prompts),
+        ", ".join(f"{s.label} {sum(q['set'] == s.label for q in prompts)}" for s in sets),
+    )
+    verifier_cfg = verifier_files.verifier_config(io.verifier)
+    preflight.check_evaluate(p, verifier_cfg)
+    dtype = engine.resolve_dtype(p, verifier_cfg)
+    engine.check_devices(p, "evaluate", dtype=dtype, verifier=io.verifier)
+    engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
+    k = p.num_speculative_tokens
+    runs = [("greedy", 0.0)]
+    if p.sampled_temperature is not None:
+        runs.append((f"temperature_{p.sampled_temperature:g}", p.sampled_temperature))
+
+    edges = p.context_edges()
+    results: dict[str, Any] = {}
+    scratch = io.results.parent / f".{io.results.name}.engines"
+    scratch.mkdir(parents=True, exist_ok=True)
+    outputs: dict[str, list] = {}
+    for name, spec in speculators(io, p, engine_args).items():
+        speculation = (
+            # detailed: each verify step's accepted drafts, in order (acceptance by context)
+            {"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
+            if spec
+            else {}
+        )
+        job = {
+            "engine": {**engine_args, **speculation},
+            "prompts": prompts,
+            "runs": runs,
+            "max_new_tokens": p.max_new_tokens,
+            "seed": 0,
+            "use_gpus": p.use_gpus,
+            "verifier": str(io.verifier),
+            "chat_template": p.chat_template.model_dump(),
+            "max_model_len": p.max_model_len_tokens,
+            "context_edges": edges,
+        }
+        for run_name, run in run_in_child(job, scratch, name).items():
+            key = name if run_name == "greedy" else f"{name}@{run_name}"
+            outputs[key] = run.pop("outputs")
+            if run["num_drafts"]:
+                run["per_prompt"] = acceptance_with_ci(run["acceptance_histograms"])
+                run["by_context"] = acceptance_by_context(
+                    run["acceptance_histograms_by_context"], edges
+                )
+            results[key] = run
+    for path in scratch.iterdir():
+        path.unlink()
+    scratch.rmdir()
+
+    mismatches = greedy_mismatches(prompts, outputs)
+    base_tps = results["baseline"]["output_tokens_per_s"]
+    eagle, ngram = results["eagle3"], results["ngram"]
+    simulated = simulated_acceptance(io.metrics, k)
+    return EvalResults(
+        runs=results,
+        simulated=simulated,
+        verifier=str(io.verifier),
+        draft=str(io.draft),
+        eval_prompts=[s.model_dump(mode="json", exclude_none=True) for s in sets],
+        num_prompts=len(prompts),
+        # each prompt's set, id, and tokens generated without a draft (all its turns), in the
+        # order of the runs' per-prompt lists
+        prompts=[
+            {"set": q["set"], "id": q["id"], "generated_tokens": len(out)}
+            for q, out in zip(prompts, outputs["baseline"])
+        ],
+        sets=per_set(prompts, results, edges),
+        context_edges_tokens=edges,
+        num_speculative_tokens=k,
+        max_new_tokens=p.max_new_tokens,
+        greedy_mismatches=mismatches,
+        greedy_lossless=not any(mismatches.values()),
+        summary={
+            "eagle3_mean_acceptance_length": eagle["mean_acceptance_length"],
+            "eagle3_mean_acceptance_length_ci95": eagle.get("per_prompt", {}).get(
+                "mean_acceptance_length_ci95"
+            ),
+            "eagle3_simulated_acceptance_length": (simulated or {}).get("mean_acceptance_length"),
+            "ngram_mean_acceptance_length": ngram["mean_acceptance_length"],
+            "eagle3_over_ngram": (
+                eagle["mean_acceptance_length"] / ngram["mean_acceptance_length"]
+                if eagle["mean_acceptance_length"] and ngram["mean_acceptance_length"]
+                else None
+            ),
+            "eagle3_speedup": eagle["output_tokens_per_s"] / base_tps,
+            "ngram_speedup": ngram["output_tokens_per_s"] / base_tps,
+        },
+        made_by=made_by("evaluate"),
+    )
