@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from transformers import AutoTokenizer  # noqa: E402
 
 from tests.chat_families import FAMILIES, build_tokenizer, conversation_set  # noqa: E402
-from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows  # noqa: E402
+from workflow_scripts.lib.chat.tokenization import read_conversation, tokenize_rows  # noqa: E402
 from workflow_scripts.lib.chat.rows import BadRow  # noqa: E402
 from workflow_scripts.lib.chat.template import ChatTemplate  # noqa: E402
 from workflow_scripts.lib.chat.turns import unique_tokens  # noqa: E402

@@ -35,7 +35,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from workflow_scripts.lib.hidden_states.stream import used_bytes  # noqa: E402
+from workflow_scripts.lib.hidden_states.stream_producer import used_bytes  # noqa: E402
 from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 ENGINE_SHARD = re.compile(r"shard -?\d+ done: \d+ samples, (\d+) tokens")

@@ -38,7 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workflow_scripts.lib.hidden_states import engines as backends  # noqa: E402
+from workflow_scripts.lib.hidden_states import extract_engines as backends  # noqa: E402
 from workflow_scripts.lib.hidden_states.manifest import shard_name  # noqa: E402
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, storage_dtype_name  # noqa: E402
 from workflow_scripts.lib.verifier import engine  # noqa: E402

@@ -11,7 +11,7 @@ earlier reasoning, so a conversation takes one row per user turn) on a BPE token
 the first conversations (lib/demo/verifier.py).
 
 The conversations are written as --rounds chat files; each round runs prepare's tokenization
-(chat.dataset.tokenize_chat_file, as the stage calls it, its output written to disk) on one file
+(chat.tokenization.tokenize_chat_file, as the stage calls it, its output written to disk) on one file
 with each process count in turn, so that other work on the machine weighs on each count alike.
 Prints, per process count: conversations per second, tokens written per second, the CPU time of
 the calling process (with workers: what reading, writing and counting cost it), the ratio to the
@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workflow_scripts.lib.chat.dataset import tokenize_chat_file  # noqa: E402
+from workflow_scripts.lib.chat.tokenization import tokenize_chat_file  # noqa: E402
 from workflow_scripts.lib.chat.template import load_template  # noqa: E402
 from workflow_scripts.lib.common import Progress, sha256_file  # noqa: E402
 from workflow_scripts.lib.demo.docs import read_documents  # noqa: E402
@@ -193,7 +193,7 @@ def agentic(text: Text, rng: random.Random, i: int, turns: int, tokens: int) -> 
 def run_turns(args, work: Path) -> None:
     """--turns: the agentic conversations of each turn count, tokenized as prepare does and
     with every prompt whole, alternately; the table."""
-    from workflow_scripts.lib.chat import dataset, turns as chat_turns
+    from workflow_scripts.lib.chat import tokenization, turns as chat_turns
 
     paragraphs = [p for doc in read_documents(["networkx"]) for p in doc.paragraphs]
     rng = random.Random(f"bench-prepare-turns-{args.seed}")
@@ -205,16 +205,16 @@ def run_turns(args, work: Path) -> None:
         files[n].write_text("".join(json.dumps(r) + "\n" for r in rows))
     sample = [json.loads(line) for f in files.values() for line in f.read_text().splitlines()]
     verifier = build_verifier(work / "verifier", sample[:TOKENIZER_SAMPLE])
-    linear = dataset.conversation_turns
+    linear = tokenization.conversation_turns
     whole = partial(chat_turns.conversation_turns, whole=True)
     results = {}
     for n, path in files.items():
         for name, turns_of in (("linear", linear), ("whole", whole)):
-            dataset.conversation_turns = turns_of
+            tokenization.conversation_turns = turns_of
             try:
                 results[n, name] = run(path, verifier, 1, 1 << 20, work / "out.jsonl")
             finally:
-                dataset.conversation_turns = linear
+                tokenization.conversation_turns = linear
             r = results[n, name]
             print(f"{n} turns, {name}: {r['stats']['tokens'] / r['seconds']:,.0f} tokens/s",
                   flush=True)  # fmt: skip

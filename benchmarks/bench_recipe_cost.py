@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_quality import VARIANTS  # noqa: E402
 from bench_train import scratch_io, timed  # noqa: E402
 
-from workflow_scripts.lib.training.data import Loader  # noqa: E402
+from workflow_scripts.lib.training.loader import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402

@@ -34,7 +34,7 @@ from workflow_scripts.lib.hidden_states import (
     shards,  # noqa: E402
 )
 from workflow_scripts.lib.hidden_states.shard_writer import write_samples  # noqa: E402
-from workflow_scripts.lib.training.data import Loader  # noqa: E402
+from workflow_scripts.lib.training.loader import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402

@@ -770,7 +770,7 @@ class Workflow:
         """draft_ckpt within the budget, the engine beside training or on its GPU (share):
         the training job's figures, the peak of hidden states on disk against the budget, the
         peak memory in use on a GPU (nvidia-smi: the engine's and training's)."""
-        from workflow_scripts.lib.hidden_states.stream import used_bytes
+        from workflow_scripts.lib.hidden_states.stream_producer import used_bytes
 
         c = self.c
         extract = {"share_training_gpus": share}

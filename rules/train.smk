@@ -7,7 +7,7 @@
 # (every shard's samples and exact bytes, rule extract_plan) and runs the engine itself
 # (extract_stream, on GPUs of its own beside training's, or on training's with
 # extract.share_training_gpus: the job reserves both), which computes each shard shortly before
-# a step reads it, into L.extract.stream_shards, within the budget (lib/training/stream.py).
+# a step reads it, into L.extract.stream_shards, within the budget (lib/training/stream_consumer.py).
 STREAMED = CFG.extract.disk_budget is not None
 TRAIN_GPUS = CFG.train.job_gpus(CFG.extract)
 # Over several nodes (train.num_nodes): one SLURM job of whole nodes, TRAIN_GPUS on each

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PRELOAD = ["vllm", "transformers", "workflow_scripts.lib.hidden_states.engines"]
+PRELOAD = ["vllm", "transformers", "workflow_scripts.lib.hidden_states.extract_engines"]
 
 
 def _context():

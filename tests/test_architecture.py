@@ -31,7 +31,7 @@ LIB = "workflow_scripts.lib"
 # The library's packages (and its few top-level modules), bottom layer first, as ARCHITECTURE.md
 # draws them. A module imports from its own package or from a lower layer, never sideways or up.
 LAYERS = (
-    ("common",),
+    ("common", "targets"),
     ("workflow", "verifier", "draft"),
     ("data", "hidden_states"),
     ("chat",),
@@ -366,3 +366,17 @@ def test_each_package_names_its_modules():
         modules = sorted(p.stem for p in init.parent.glob("*.py") if p.stem != "__init__")
         unnamed = [m for m in modules if f"``{m}``" not in doc]
         assert not unnamed, f"{init.relative_to(ROOT)} does not name {unnamed}"
+
+
+def test_entry_scripts_are_thin():
+    """An entry script parses its arguments, calls the library and writes what it returns: its
+    main is short, and it defines nothing a test would want to call but main (and train's split
+    of the GPUs between training and the engine within a disk budget)."""
+    for path in sorted((ROOT / "workflow_scripts" / "stages").glob("[!_]*.py")):
+        tree = ast.parse(path.read_text())
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert set(functions) - {"split_gpus"} == {"main"}, path.name
+        main = functions["main"]
+        assert (
+            main.end_lineno - main.lineno < 40
+        ), f"{path.name}: main is {main.end_lineno - main.lineno + 1} lines"

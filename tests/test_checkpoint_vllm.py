@@ -140,7 +140,7 @@ def test_trained_draft_is_served_by_vllm_and_beats_an_untrained_one(
 
     from tests.train_data_for_tests import TrainInputs
     from workflow_scripts.lib.training import inputs as training_inputs
-    from workflow_scripts.lib.training import setup as training_setup
+    from workflow_scripts.lib.training import build as training_setup
     from workflow_scripts.lib.workflow import cli
     from workflow_scripts.stages import train
 

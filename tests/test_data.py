@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow, dry_run_in_process
-from workflow_scripts.lib.chat.dataset import tokenize_chat_file
+from workflow_scripts.lib.chat.tokenization import tokenize_chat_file
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import Progress, UserError
 from workflow_scripts.lib.data.files import source_files

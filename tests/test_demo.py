@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, TINY_VERIFIER, run_demo
-from workflow_scripts.lib.chat.dataset import tokenize_conversation
+from workflow_scripts.lib.chat.tokenization import tokenize_conversation
 from workflow_scripts.lib.demo import conversations as demo_data
 from workflow_scripts.lib.demo import verifier as demo
 

@@ -25,9 +25,9 @@ from tests.workflow_runner import dry_run_in_process
 from workflow_scripts.lib.common import UserError, sha256_file
 from workflow_scripts.lib.hidden_states.manifest import merge_parts
 from workflow_scripts.lib.hidden_states.records import ExtractPart, StreamPlan
-from workflow_scripts.lib.hidden_states.stream import used_bytes
+from workflow_scripts.lib.hidden_states.stream_producer import used_bytes
 from workflow_scripts.lib.training import disk_budget
-from workflow_scripts.lib.training.data import Plan
+from workflow_scripts.lib.training.loader import Plan
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.definitions import ExtractParams, TrainParams
@@ -310,7 +310,7 @@ def test_the_engine_dies_with_a_trainer_killed_outright(tmp_path):
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from workflow_scripts.lib.training.stream import Engine\n"
+        "from workflow_scripts.lib.training.stream_consumer import Engine\n"
         "e = Engine(['sleep', '300'], Path(sys.argv[1]), None)\n"
         "print(e.proc.pid, flush=True)\n"
         "time.sleep(300)\n"
@@ -383,7 +383,7 @@ def test_a_budget_the_disk_cannot_hold_is_refused_before_the_engine_starts(tmp_p
     from types import SimpleNamespace
 
     from workflow_scripts.lib.training.processes import Dist
-    from workflow_scripts.lib.training.stream import Stream, StreamedIndex
+    from workflow_scripts.lib.training.stream_consumer import Stream, StreamedIndex
 
     stream_plan = fake_stream_plan(6, 16)
     for shard in stream_plan.shards:

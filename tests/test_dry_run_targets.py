@@ -1,4 +1,4 @@
-"""The dry-run checks what the requested targets need (lib/verifier/preflight.py: TARGET_STAGES;
+"""The dry-run checks what the requested targets need (lib/targets.py: TARGET_STAGES;
 lib/dryrun.py: requested_targets): a problem of a stage that no requested target needs is a
 warning naming the targets that cannot be built, one of a stage a requested target needs an error
 naming that target. Shown here with GPU counts on the embedded default (no verifier to build);
@@ -18,7 +18,8 @@ from tests.workflow_runner import (
 )
 from workflow_scripts.lib import dryrun
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.verifier import preflight
+from workflow_scripts.lib import targets
+from workflow_scripts.lib.workflow import checks
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.layout import Layout
 
@@ -49,15 +50,15 @@ def test_a_problem_of_a_stage_no_target_needs_is_a_warning(target, refused):
     cfg = load_config(TOO_WIDE)
     if refused:
         with pytest.raises(UserError) as exc:
-            preflight.check_gpu_counts(cfg, None, [target])
+            checks.check_gpu_counts(cfg, None, [target])
         assert str(exc.value) == f"target {target} cannot be built: {WHY}"
     else:
-        assert preflight.check_gpu_counts(cfg, None, [target]) == [WARNING]
+        assert checks.check_gpu_counts(cfg, None, [target]) == [WARNING]
 
 
 def test_the_error_names_every_requested_target_that_needs_the_stage():
     with pytest.raises(UserError) as exc:
-        preflight.check_gpu_counts(load_config(TOO_WIDE), None, ["vocab_map", "evaluate", "all"])
+        checks.check_gpu_counts(load_config(TOO_WIDE), None, ["vocab_map", "evaluate", "all"])
     assert str(exc.value) == f"targets evaluate and all cannot be built: {WHY}"
 
 
@@ -82,17 +83,17 @@ def default_workflow(tmp_path_factory):
 
 
 @pytest.mark.workflow
-@pytest.mark.parametrize("target", sorted(preflight.TARGET_STAGES))
+@pytest.mark.parametrize("target", sorted(targets.TARGET_STAGES))
 def test_the_stages_each_target_needs_are_those_its_dag_runs(default_workflow, target):
     """TARGET_STAGES against what Snakemake plans for each target (regeneration on, so that every
     stage is in the DAG)."""
     if target in JOB_RULES:
-        assert preflight.TARGET_STAGES[target] == preflight.TARGET_STAGES[JOB_RULES[target]]
+        assert targets.TARGET_STAGES[target] == targets.TARGET_STAGES[JOB_RULES[target]]
         return
     error, out = dry_run_in_process(default_workflow, target, {"regenerate": {"enabled": True}})
     assert error is None, out[-3000:]
     planned = {RULE_STAGE[rule] for rule in jobs_in(out) if rule in RULE_STAGE}
-    assert planned == preflight.TARGET_STAGES[target]
+    assert planned == targets.TARGET_STAGES[target]
 
 
 @pytest.mark.workflow

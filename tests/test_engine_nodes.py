@@ -20,7 +20,7 @@ from tests.chat_families import FAMILIES
 from tests.workflow_runner import dry_run_in_process, example_workflow, jobs_in, snakemake
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import cluster, engine, engine_follower, engine_nodes, preflight
-from workflow_scripts.lib.workflow import nodes
+from workflow_scripts.lib.workflow import checks, nodes
 from workflow_scripts.lib.workflow.config import load_config
 from workflow_scripts.lib.workflow.definitions import ExtractParams
 
@@ -111,14 +111,14 @@ def test_gpu_counts_of_an_engine_over_nodes_are_its_total_and_its_share_of_a_nod
     config = load_config(
         {"extract": {"num_nodes": 2, "tensor_parallel_size": 16}, "gpus_per_node": 8}
     )
-    assert preflight.check_gpu_counts(config, 16) == []
+    assert checks.check_gpu_counts(config, 16) == []
     with pytest.raises(UserError, match="extract.tensor_parallel_size is 16 GPUs, but snakemake"):
-        preflight.check_gpu_counts(config, 8)
+        checks.check_gpu_counts(config, 8)
     wide = load_config(
         {"extract": {"num_nodes": 2, "tensor_parallel_size": 32}, "gpus_per_node": 8}
     )
     with pytest.raises(UserError) as exc:
-        preflight.check_gpu_counts(wide, 64)
+        checks.check_gpu_counts(wide, 64)
     assert (
         "extract.tensor_parallel_size / extract.num_nodes is 16 GPUs, but a node has 8 "
         "(gpus_per_node) and that many run on each node; lower extract.tensor_parallel_size, or "

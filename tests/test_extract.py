@@ -390,7 +390,7 @@ def preflight_error(monkeypatch, world, tmp_path, verifier=None, lengths=None, *
         tokenized = write_rows(tmp_path / "data.jsonl", lengths)
     p = ExtractParams(**{**TEST_PARAMS, **overrides})
     f = files(root, verifier or default_verifier, tokenized, tmp_path / "out", 0)
-    from workflow_scripts.lib.hidden_states import engines as extraction_engines
+    from workflow_scripts.lib.hidden_states import extract_engines as extraction_engines
     from workflow_scripts.lib.verifier import engine
 
     def no_model(*args, **kwargs):

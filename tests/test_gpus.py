@@ -283,7 +283,7 @@ def test_a_gpu_job_asking_more_gpus_than_there_are_is_refused(change, limit, exp
     import yaml
 
     from workflow_scripts.lib.common import UserError
-    from workflow_scripts.lib.verifier.preflight import check_gpu_counts
+    from workflow_scripts.lib.workflow.checks import check_gpu_counts
     from workflow_scripts.lib.workflow.config import load_config
 
     base = yaml.safe_load((ROOT / "config.gpu-8x.yaml").read_text())

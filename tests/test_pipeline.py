@@ -262,7 +262,7 @@ def test_reasoning_and_tool_calls_go_through_to_a_served_draft(mechanics_build):
     first tool call and kept the rest; prepare trained the regenerated turns on exactly the ids
     the verifier was served and sampled, and the others as the template renders them, reasoning
     and tool calls supervised, a row per rewritten history; vLLM served the draft trained on it."""
-    from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
+    from workflow_scripts.lib.chat.tokenization import read_conversation, tokenize_rows
     from workflow_scripts.lib.chat.template import load_template
     from workflow_scripts.lib.workflow.definitions import PrepareParams
 

@@ -20,8 +20,8 @@ from tests.bad_rows import EVERY_BAD_ROW, refusing_tokenizer
 from tests.chat_families import FAMILIES, build_tokenizer, conversation_set
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from tests.workflow_runner import copy_workflow
-from workflow_scripts.lib.chat import dataset
-from workflow_scripts.lib.chat.dataset import tokenize_chat_file, tokenize_conversation
+from workflow_scripts.lib.chat import tokenization
+from workflow_scripts.lib.chat.tokenization import tokenize_chat_file, tokenize_conversation
 from workflow_scripts.lib.chat.rows import BadRow, normalize
 from workflow_scripts.lib.chat.template import ChatTemplate, load_template
 from workflow_scripts.lib.common import Progress, UserError
@@ -384,7 +384,7 @@ def test_the_output_is_the_same_bytes_for_any_number_of_processes(qwen3_chat, mo
     supervised token, under skip, in chunks of 4 lines: 2 and 3 processes write what one
     writes, byte for byte, and count the same."""
     verifier, data = qwen3_chat
-    monkeypatch.setattr(dataset, "CHUNK_LINES", 4)
+    monkeypatch.setattr(tokenization, "CHUNK_LINES", 4)
     text, stats = tokenize_with(verifier, data, 1, "skip")
     assert stats["truncated_rows"] > 0 and stats["rows_per_conversation"].keys() == {"1", "2"}
     assert {"malformed", "not_utf8", "no_assistant_tokens"} <= stats["dropped"].keys()
@@ -396,7 +396,7 @@ def test_under_fail_the_first_bad_row_in_input_order_is_named(qwen3_chat, monkey
     """The first bad row ends a chunk of three conversations; the chunk after it, of bad rows
     only, is done first by the other process: the first one is still the one named."""
     verifier, _ = qwen3_chat
-    monkeypatch.setattr(dataset, "CHUNK_LINES", 4)
+    monkeypatch.setattr(tokenization, "CHUNK_LINES", 4)
     good = [json.dumps(row).encode() for row in conversation_set("qwen3")[:6]]
     bad = [raw for raw, reason in EVERY_BAD_ROW if reason == "malformed"][:4]
     data = tmp_path / "chat.jsonl"

@@ -16,7 +16,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.chat_families import FAMILIES, build_tokenizer, conversation_set
-from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_chat_file, tokenize_rows
+from workflow_scripts.lib.chat.tokenization import (
+    read_conversation,
+    tokenize_chat_file,
+    tokenize_rows,
+)
 from workflow_scripts.lib.chat.rows import BadRow
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import Progress, UserError

@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
+from workflow_scripts.lib.chat.tokenization import read_conversation, tokenize_rows
 from workflow_scripts.lib.chat.rows import BadRow
 from workflow_scripts.lib.chat.template import ChatTemplate
 from workflow_scripts.lib.common import UserError

@@ -16,8 +16,8 @@ from tests.test_train import FAST, small_draft
 from tests.train_data_for_tests import build_inputs, read_metrics
 from workflow_scripts.lib.draft.model import TeacherHead, shift_left
 from workflow_scripts.lib.evaluation.acceptance import acceptance_with_ci, simulated_acceptance
-from workflow_scripts.lib.training.data import MicroBatch
-from workflow_scripts.lib.training.setup import only_in_draft_vocab, summarize, with_aux_noise
+from workflow_scripts.lib.training.loader import MicroBatch
+from workflow_scripts.lib.training.build import only_in_draft_vocab, summarize, with_aux_noise
 from workflow_scripts.stages import train
 from workflow_scripts.lib.workflow.layout import METRICS
 

@@ -28,7 +28,7 @@ from workflow_scripts.lib.hidden_states import disk_plan, shards
 from workflow_scripts.lib.hidden_states.extraction import make_plan, part_manifest
 from workflow_scripts.lib.hidden_states.manifest import load_manifest, merge_parts
 from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
-from workflow_scripts.lib.training.data import SampleIndex
+from workflow_scripts.lib.training.loader import SampleIndex
 from workflow_scripts.lib.workflow.definitions import ExtractParams
 from workflow_scripts.lib.workflow.registry import ExtractIO
 from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS

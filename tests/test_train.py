@@ -777,7 +777,7 @@ def test_the_accepted_chain_trains_no_step_past_a_rejected_token():
 
 
 def test_the_learning_rate_schedules():
-    from workflow_scripts.lib.training.setup import lr_factor
+    from workflow_scripts.lib.training.build import lr_factor
 
     assert [lr_factor(s, 2, 10, 0.0, "linear") for s in (0, 1, 2, 6, 10)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.5, 0.0]
@@ -791,7 +791,7 @@ def test_muon_with_adamw_resumes_from_its_state_dict():
     """The Muon + AdamW pair is one optimizer to the scheduler and the resume state: Muon holds
     exactly the hidden weight matrices, and a copy restored from the saved state dict takes the same
     next step as the original."""
-    from workflow_scripts.lib.training.setup import make_optimizer
+    from workflow_scripts.lib.training.build import make_optimizer
     from workflow_scripts.lib.workflow.definitions import TrainParams
 
     p = TrainParams(optimizer="muon")
@@ -911,7 +911,7 @@ def test_training_starts_from_an_existing_draft(inputs, tmp_path):
     vocabularies hold (the verifier's rows for the rest), and training from it starts where the
     old draft ended, far below the loss of a start from nothing."""
     from workflow_scripts.lib.training import inputs as training_inputs
-    from workflow_scripts.lib.training import setup as training_setup
+    from workflow_scripts.lib.training import build as training_setup
     from workflow_scripts.lib.workflow import cli
 
     cold = tmp_path / "cold"

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 from tests import multinode
 from workflow_scripts.lib.common import UserError, sha256_file
-from workflow_scripts.lib.verifier import cluster, preflight
-from workflow_scripts.lib.workflow import gpus, nodes
+from workflow_scripts.lib.verifier import cluster
+from workflow_scripts.lib.workflow import checks, gpus, nodes
 from workflow_scripts.lib.workflow.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,12 +96,12 @@ def test_node_counts_against_the_profile_and_the_cluster():
 
 def test_gpu_counts_over_nodes_are_totals_for_snakemake_and_per_node_for_a_node():
     config = load_config({"train": {"num_nodes": 2, "num_gpus": 8}, "gpus_per_node": 8})
-    assert preflight.check_gpu_counts(config, 16) == []
+    assert checks.check_gpu_counts(config, 16) == []
     with pytest.raises(UserError, match="train.num_gpus x train.num_nodes is 16 GPUs, but snake"):
-        preflight.check_gpu_counts(config, 8)
+        checks.check_gpu_counts(config, 8)
     config = load_config({"train": {"num_nodes": 2, "num_gpus": 8}, "gpus_per_node": 4})
     with pytest.raises(UserError, match="a node has 4 .gpus_per_node. and that many run on each"):
-        preflight.check_gpu_counts(config, None)
+        checks.check_gpu_counts(config, None)
 
 
 def test_a_disk_budget_over_several_nodes_is_refused():
@@ -173,18 +173,18 @@ def test_two_nodes_on_localhost_train_the_one_node_draft(mechanics_build, one_no
 
 def test_a_global_batch_the_prepared_samples_cannot_fill_is_refused_naming_the_keys():
     config = cfg(num_nodes=4, num_gpus=8, grad_accum_steps=2)  # 64 micro-batches a step
-    assert preflight.check_global_batch(config, None) == []  # before prepare has run
-    assert preflight.check_global_batch(config, 100) == []  # 95 training samples
+    assert checks.check_global_batch(config, None) == []  # before prepare has run
+    assert checks.check_global_batch(config, 100) == []  # 95 training samples
     with pytest.raises(UserError) as exc:
-        preflight.check_global_batch(config, 60)
+        checks.check_global_batch(config, 60)
     for key in ("train.num_nodes 4", "train.num_gpus 8", "train.grad_accum_steps 2", "of 64"):
         assert key in str(exc.value), str(exc.value)
-    (warning,) = preflight.check_global_batch(config, 60, ["vocab_map"])
+    (warning,) = checks.check_global_batch(config, 60, ["vocab_map"])
     assert "cannot fill one global batch" in warning
 
 
 def test_a_micro_batch_budget_below_the_longest_sample_is_warned_of():
     config = load_config({"train": {"micro_batch_budget_tokens": 256}})
-    (warning,) = [w for w in preflight.warnings_for(config) if "micro_batch" in w]
+    (warning,) = [w for w in checks.warnings_for(config) if "micro_batch" in w]
     assert "train.micro_batch_budget_tokens 256 is below prepare.max_seq_len_tokens 2048" in warning
-    assert not [w for w in preflight.warnings_for(cfg()) if "micro_batch" in w]
+    assert not [w for w in checks.warnings_for(cfg()) if "micro_batch" in w]

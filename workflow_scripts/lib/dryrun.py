@@ -3,7 +3,7 @@
 machine, the cluster, the verifier and the environment the jobs run; the sources' files the rules
 take as inputs; and the run's estimate. Plain Python, tested without Snakemake (but for reading
 Snakemake's command line, ``requested_targets``). A problem of a stage no requested target needs
-is a warning, not an error (lib/verifier/preflight.py: ``by_targets``); each job checks again.
+is a warning, not an error (lib/targets.py: ``by_targets``); each job checks again.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Callable
 
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.targets import DEFAULT_TARGET, by_targets
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
 from workflow_scripts.lib.hidden_states.estimate import dry_run_report
 from workflow_scripts.lib.training import disk_budget, init_from
 from workflow_scripts.lib.verifier import cluster, environment, preflight
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.verifier.files import aux_layer_ids, verifier_config, weight_files
+from workflow_scripts.lib.workflow import checks
 from workflow_scripts.lib.workflow.code_inputs import shard_code_fingerprint
 from workflow_scripts.lib.workflow.config import WorkflowConfig
 from workflow_scripts.lib.workflow.definitions import EngineSettings
@@ -41,19 +43,19 @@ def requested_targets(argv: list[str] | None = None) -> list[str]:
     argv = sys.argv if argv is None else argv
     program = Path(argv[0]) if argv else Path()
     if program.name != "snakemake" and program.parent.name != "snakemake":
-        return [preflight.DEFAULT_TARGET]
+        return [DEFAULT_TARGET]
     from snakemake.cli import parse_args
 
     with contextlib.redirect_stderr(io.StringIO()):  # the profiles it reads, said once already
         _, args = parse_args(argv[1:])
     targets = [*(args.targets or ()), *(args.forcerun or ()), *(args.until or ())]
     jobs = [getattr(job, "rulename", str(job).split(":")[0]) for job in args.target_jobs or ()]
-    return [*targets, *jobs] or [preflight.DEFAULT_TARGET]
+    return [*targets, *jobs] or [DEFAULT_TARGET]
 
 
 def gpus_asked(cfg: WorkflowConfig) -> int:
     """The GPUs the config's jobs ask for, together (0: a CPU run)."""
-    return sum(preflight.gpu_asks(cfg).values())
+    return sum(checks.gpu_asks(cfg).values())
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Run:
 def _demoted(stage: str, exc: UserError, targets: list[str], run: Run) -> None:
     """``exc``, a problem of ``stage``: raised where a requested target needs the stage, a
     warning otherwise."""
-    errors, later = preflight.by_targets({stage: [str(exc)]}, targets)
+    errors, later = by_targets({stage: [str(exc)]}, targets)
     if errors:
         raise UserError("\n".join(errors)) from None
     run.warn(later)
@@ -107,7 +109,7 @@ def check_run(
     # Every GPU job's GPUs against --resources gpu=N and gpus_per_node, now: Snakemake would cap
     # a job silently, and the job would fail when it starts.
     try:
-        warnings = preflight.check_gpu_counts(cfg, gpu_limit, targets)
+        warnings = checks.check_gpu_counts(cfg, gpu_limit, targets)
     except UserError as exc:
         raise UserError(f"the config asks for more GPUs than there are:\n  {exc}") from None
     # The jobs over several nodes against what they would get: the profile's resources for their
@@ -130,7 +132,7 @@ def check_run(
     except UserError:  # not made yet, or by other code: prepare runs first
         rows = None
     try:
-        warnings += preflight.check_global_batch(cfg, rows, targets)
+        warnings += checks.check_global_batch(cfg, rows, targets)
     except UserError as exc:
         raise UserError(f"the batch does not fit the data:\n  {exc}") from None
     # Every check that needs only the config and the verifier's files, when the verifier is on
@@ -144,7 +146,9 @@ def check_run(
                 "directory with config.json, weights and tokenizer)"
             )
         try:
-            warnings += preflight.check_workflow(cfg, cfg.verifier, targets)
+            warnings += checks.warnings_for(cfg) + preflight.check_workflow(
+                cfg, cfg.verifier, targets
+            )
         except UserError as exc:
             raise UserError(
                 f"the config does not fit the verifier {cfg.verifier}:\n  "
@@ -152,7 +156,7 @@ def check_run(
             ) from None
         verifier_cfg = verifier_config(cfg.verifier)
     else:
-        warnings += preflight.warnings_for(cfg)
+        warnings += checks.warnings_for(cfg)
     run = Run(
         verifier_dir=Path(cfg.verifier) if cfg.verifier else layout.demo.verifier,
         verifier_cfg=verifier_cfg,
@@ -181,9 +185,9 @@ def check_run(
     # build would be refused by each GPU job only once it started.
     if own_python is not None:
         problems = environment.gpu_build_problems(
-            preflight.gpu_asks(cfg), environment.cpu_build(), own_python
+            checks.gpu_asks(cfg), environment.cpu_build(), own_python
         )
-        errors, later = preflight.by_targets(problems, targets)
+        errors, later = by_targets(problems, targets)
         if errors:
             raise UserError("\n".join(errors))
         run.warn(later)
@@ -215,7 +219,7 @@ def _sources(cfg: WorkflowConfig, targets: list[str], layout: Layout, run: Run) 
     try:  # a problem of the evaluation's prompts stops only the targets that evaluate
         run.eval_files = input_files(cfg.evaluate.eval_prompts.root, "eval_prompts", demo_files)
     except UserError as exc:
-        errors, later = preflight.by_targets({"evaluate": [str(exc)]}, targets)
+        errors, later = by_targets({"evaluate": [str(exc)]}, targets)
         if errors:
             raise UserError("\n".join(errors)) from None
         warnings += later

@@ -17,7 +17,7 @@ import logging
 
 from workflow_scripts.lib.common import run_main
 from workflow_scripts.lib.hidden_states.disk_plan import check_outputs
-from workflow_scripts.lib.hidden_states.engines import extract
+from workflow_scripts.lib.hidden_states.extract_engines import extract
 from workflow_scripts.lib.hidden_states.extraction import make_plan, part_manifest, reuse_finished
 from workflow_scripts.lib.verifier import engine
 from workflow_scripts.lib.workflow import cli

@@ -1,6 +1,6 @@
 """extract_plan: tokenized data + verifier -> every shard's samples, lengths, exact bytes and
 fingerprint, without computing any (with ``extract.disk_budget``: what training plans its budget
-from, and the dry-run shows the costs from, see ``lib/training/stream.py``).
+from, and the dry-run shows the costs from, see ``lib/training/stream_consumer.py``).
 
 The same checks as an extraction job makes before its model loads (``make_plan``): the
 verifier's config and weights, the layer ids, sample lengths, token ids.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from workflow_scripts.lib.common import run_main
-from workflow_scripts.lib.hidden_states.stream import all_shards_plan, stream_plan
+from workflow_scripts.lib.hidden_states.stream_producer import all_shards_plan, stream_plan
 from workflow_scripts.lib.workflow import cli
 
 log = logging.getLogger("eagle3")

@@ -7,9 +7,9 @@
    was given.
 2. Reads only the embedding, the final norm and the draft vocabulary's lm_head rows from the
    verifier's safetensors (sharded checkpoints through their index); never the whole verifier.
-3. Streams samples from the memory-mapped shards (``lib/training/data.py``); with
+3. Streams samples from the memory-mapped shards (``lib/training/loader.py``); with
    ``extract.disk_budget``, runs the engine that computes them while it trains, within the
-   budget (``lib/training/stream.py``).
+   budget (``lib/training/stream_consumer.py``).
 4. With ``num_gpus`` > 1 (or ``num_cpu_processes`` > 1 on the CPU) it starts itself under
    torchrun and trains with DDP (``lib/training/processes.py``). With ``num_nodes`` > 1 it runs
    once on each node of a SLURM job (srun, ``lib/workflow/nodes.py``), each starting that
@@ -33,7 +33,7 @@ from workflow_scripts.lib.training.processes import (
     setup_processes,
     slurm_node,
 )
-from workflow_scripts.lib.training.stream import ENGINE_GPUS, engine_command
+from workflow_scripts.lib.training.stream_consumer import ENGINE_GPUS, engine_command
 from workflow_scripts.lib.training.trainer import Trainer
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.registry import STAGES

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.data.rows import (  # noqa: F401 (BadRow and the readers, re-exported)
+from workflow_scripts.lib.data.lines import (  # noqa: F401 (BadRow and the readers, re-exported)
     BAD_ROW,
     SOURCE,
     SOURCE_ROW,

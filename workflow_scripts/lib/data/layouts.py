@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.data.rows import BadRow
+from workflow_scripts.lib.data.lines import BadRow
 
 # (prompt, response) column pairs recognised by layout auto, in this order
 PAIRS = (

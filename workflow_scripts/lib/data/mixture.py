@@ -28,7 +28,7 @@ import numpy as np
 from workflow_scripts.lib.common import Progress, UserError
 from workflow_scripts.lib.data.layouts import chat_layout, chat_row
 from workflow_scripts.lib.data.readers import columns, count_rows, iter_rows
-from workflow_scripts.lib.data.rows import BAD_ROW, SOURCE, SOURCE_ROW, BadRow
+from workflow_scripts.lib.data.lines import BAD_ROW, SOURCE, SOURCE_ROW, BadRow
 from workflow_scripts.lib.workflow.sources import ChatSource
 
 

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.data.files import file_kind, is_saved_dataset
-from workflow_scripts.lib.data.rows import BadRow, parse_line
+from workflow_scripts.lib.data.lines import BadRow, parse_line
 from workflow_scripts.lib.workflow.sources import Source
 
 PARQUET_BATCH_ROWS = 1024

@@ -133,7 +133,7 @@ def save_tokenizer(tokenizer, out_dir: Path) -> None:
 def encode_conversation(template: ChatTemplate, row: dict) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) of each row of a conversation: the rows and mask ``prepare``
     builds (one row where the template renders history stably, as the embedded default's)."""
-    from workflow_scripts.lib.chat.dataset import read_conversation, tokenize_rows
+    from workflow_scripts.lib.chat.tokenization import read_conversation, tokenize_rows
 
     rows, _ = tokenize_rows(template, read_conversation(row), 1 << 30)
     limit = template.tokenizer.model_max_length

@@ -24,7 +24,7 @@ from typing import Any
 
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import files as verifier_files
-from workflow_scripts.lib.verifier import preflight
+from workflow_scripts.lib.targets import stages_needed
 from workflow_scripts.lib.verifier.engine import resolve_dtype
 from workflow_scripts.lib.workflow.layout import Layout
 from workflow_scripts.lib.workflow.records import PrepareStats, RegenerateStats
@@ -251,7 +251,7 @@ def dry_run_report(
     """What the dry-run prints for ``targets`` (lines, warnings): the estimate where a target
     extracts and prepare's counts are those of the current settings, else how to get it early;
     nothing for a target that extracts nothing. ``layout``: the run's results_dir."""
-    if not any("extract" in preflight.stages_needed(t) for t in targets):
+    if not any("extract" in stages_needed(t) for t in targets):
         return [], []
     stats = layout.prepare.stats
     counts, why = prepared_counts(
@@ -276,5 +276,5 @@ def dry_run_report(
         layout.root,
         layout.extract.shards,
         layout.regenerate.stats,
-        any("evaluate" in preflight.stages_needed(t) for t in targets),
+        any("evaluate" in stages_needed(t) for t in targets),
     )

@@ -1,5 +1,5 @@
 """A disk budget's plan (``extract.disk_budget``), made before any model loads: which shards
-every step reads (from the training plan, ``data.Plan``), the disk that needs, which shards are
+every step reads (from the training plan, ``loader.Plan``), the disk that needs, which shards are
 kept across epochs, and what that costs against the unbounded run.
 
 A shard's *occurrence* is its use in one epoch: from the first step that reads it to the last.
@@ -7,7 +7,7 @@ Disk needed at a step is what is live then: the kept shards, the held-out shards
 split's samples, computed first and kept) and every other shard whose occurrence spans the step.
 A budget below what that needs with nothing kept is refused; above, shards are kept across
 epochs (first read first) as long as the peak stays within it, and the rest are recomputed at
-each occurrence. The train job (``stream.py``) and the dry-run (``rules/train.smk``) plan alike.
+each occurrence. The train job (``stream_consumer.py``) and the dry-run (``rules/train.smk``) plan alike.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from workflow_scripts.lib.common import UserError, read_json
-from workflow_scripts.lib.hidden_states import stream as engine_side
+from workflow_scripts.lib.hidden_states import stream_producer as engine_side
 from workflow_scripts.lib.hidden_states.records import StreamPlan
-from workflow_scripts.lib.training.data import Plan, split_samples
+from workflow_scripts.lib.training.loader import Plan, split_samples
 from workflow_scripts.lib.workflow.params_base import size_bytes
 
 

@@ -30,10 +30,10 @@ from workflow_scripts.lib.common import (
 from workflow_scripts.lib.training import init_from
 from workflow_scripts.lib.hidden_states.manifest import load_manifest
 from workflow_scripts.lib.hidden_states.records import Manifest, StreamPlan
-from workflow_scripts.lib.training.data import SampleIndex
+from workflow_scripts.lib.training.loader import SampleIndex
 from workflow_scripts.lib.training.disk_budget import load_stream_plan
 from workflow_scripts.lib.training.processes import Dist
-from workflow_scripts.lib.training.stream import StreamedIndex, engine_command
+from workflow_scripts.lib.training.stream_consumer import StreamedIndex, engine_command
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import resume_key, stage_fingerprint
 from workflow_scripts.lib.workflow.definitions import TrainParams

@@ -32,7 +32,7 @@ from workflow_scripts.lib.common import UserError, atomic_path, format_seconds
 from workflow_scripts.lib.draft.model import STAT_KEYS, Objective, param_count
 from workflow_scripts.lib.hidden_states import shards
 from workflow_scripts.lib.training import reporting, teacher_check
-from workflow_scripts.lib.training.data import (
+from workflow_scripts.lib.training.loader import (
     Loader,
     Plan,
     StepData,
@@ -42,7 +42,7 @@ from workflow_scripts.lib.training.data import (
 )
 from workflow_scripts.lib.training.inputs import Inputs
 from workflow_scripts.lib.training.processes import Dist
-from workflow_scripts.lib.training.setup import (
+from workflow_scripts.lib.training.build import (
     build_draft,
     fmt_list,
     gpu_memory,
@@ -53,7 +53,7 @@ from workflow_scripts.lib.training.setup import (
     with_aux_noise,
     write_draft,
 )
-from workflow_scripts.lib.training.stream import Stream
+from workflow_scripts.lib.training.stream_consumer import Stream
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.layout import METRICS
 from workflow_scripts.lib.workflow.records import MetricsRow

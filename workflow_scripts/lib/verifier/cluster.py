@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.verifier.preflight import DEFAULT_TARGET, by_targets
+from workflow_scripts.lib.targets import DEFAULT_TARGET, by_targets
 
 
 @dataclass(frozen=True)

@@ -16,70 +16,9 @@ from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.verifier import memory, vllm_support
 from workflow_scripts.lib.verifier.engine import check_parallel, resolve_dtype
+from workflow_scripts.lib.targets import DEFAULT_TARGET, by_targets
 
 CPU_FLAGS_FILE = Path("/proc/cpuinfo")
-
-# The stages whose settings the dry-run checks one by one, and those of them that each rule a user
-# may ask for needs: its own stage and every stage upstream of it (Snakefile, rules/*.smk). A
-# problem of a stage no requested target needs is a warning, not an error. A target not named
-# here (a file, a new rule) is checked for every stage, as `all` is. tests/test_dry_run_targets.py
-# holds this table to the rules' DAG.
-TARGET_STAGES: dict[str, frozenset[str]] = {
-    "all": frozenset({"regenerate", "extract", "train", "evaluate"}),
-    "evaluate": frozenset({"regenerate", "extract", "train", "evaluate"}),
-    "evaluate_draft": frozenset({"regenerate", "extract", "train", "evaluate"}),
-    "draft_ckpt": frozenset({"regenerate", "extract", "train"}),
-    "train": frozenset({"regenerate", "extract", "train"}),
-    "hidden_states": frozenset({"regenerate", "extract"}),
-    "extract_merge": frozenset({"regenerate", "extract"}),
-    "extract": frozenset({"regenerate", "extract"}),
-    "extract_plan": frozenset({"regenerate", "extract"}),
-    "vocab_map": frozenset({"regenerate"}),
-    "data": frozenset(),
-    "vocab": frozenset({"regenerate"}),
-    "prepare": frozenset({"regenerate"}),
-    "regenerate_merge": frozenset({"regenerate"}),
-    "regenerate": frozenset({"regenerate"}),
-    "resolved_config": frozenset(),
-    "demo": frozenset(),
-}
-DEFAULT_TARGET = "all"  # the Snakefile's default_target
-# the Snakefile's targets besides `all`, from the one that needs the most stages
-SNAKEFILE_TARGETS = ("evaluate", "draft_ckpt", "hidden_states", "vocab_map")
-
-
-def stages_needed(target: str) -> frozenset[str]:
-    """The checked stages ``target`` (a rule name or a file) needs: every one for a file."""
-    return TARGET_STAGES.get(target, TARGET_STAGES[DEFAULT_TARGET])
-
-
-def _listed(names: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-def by_targets(
-    problems: dict[str, list[str]], targets: list[str] | tuple[str, ...]
-) -> tuple[list[str], list[str]]:
-    """``problems``, by the stage whose settings they concern, as (errors, warnings): an error
-    where one of the requested ``targets`` needs the stage, naming those targets; a warning
-    otherwise, naming the Snakefile's targets that cannot be built. Both say which can."""
-    errors, warnings = [], []
-    for stage, found in problems.items():
-        requested = [t for t in dict.fromkeys(targets) if stage in stages_needed(t)]
-        stopped = [t for t in SNAKEFILE_TARGETS if stage in TARGET_STAGES[t]]
-        can = [t for t in SNAKEFILE_TARGETS if stage not in TARGET_STAGES[t]]
-        tail = f"; {_listed(can)} can" if can else ""
-        for why in found:
-            if requested:
-                s = "s" if len(requested) > 1 else ""
-                errors.append(f"target{s} {_listed(requested)} cannot be built: {why}{tail}")
-            else:
-                s = "s" if len(stopped) > 1 else ""
-                warnings.append(
-                    f"target{s} {_listed(stopped)} (and all) cannot be built: {why}{tail}"
-                )
-    return errors, warnings
 
 
 def cpu_flags() -> set[str]:
@@ -213,118 +152,13 @@ def check_tokenizer(verifier_dir: Path | str, trust_remote_code: bool = False) -
         )
 
 
-def warnings_for(cfg) -> list[str]:
-    """What is allowed but probably not meant (needs no verifier)."""
-    found = []
-    budget, longest = cfg.train.micro_batch_budget_tokens, cfg.prepare.max_seq_len_tokens
-    if budget < longest:
-        found.append(
-            f"train.micro_batch_budget_tokens {budget} is below prepare.max_seq_len_tokens "
-            f"{longest}: samples longer than {budget} tokens are cut to it in training (raise "
-            "train.micro_batch_budget_tokens to train on whole samples)"
-        )
-    ttt, k = cfg.train.ttt_steps, cfg.evaluate.num_speculative_tokens
-    if k > ttt:
-        found.append(
-            f"evaluate.num_speculative_tokens {k} is above train.ttt_steps {ttt}: draft "
-            f"positions {ttt + 1}..{k} are served untrained (raise train.ttt_steps, or lower "
-            "evaluate.num_speculative_tokens)"
-        )
-    return found
-
-
-def gpu_asks(cfg) -> dict[str, int]:
-    """The GPUs each GPU job asks for, by the config keys that set them."""
-
-    def engine(section: str) -> tuple[str, int]:
-        settings = getattr(cfg, section)
-        key = f"{section}.tensor_parallel_size"
-        if settings.pipeline_parallel_size > 1:
-            key += f" x {section}.pipeline_parallel_size"
-        return key, settings.gpus
-
-    asks = dict([engine("extract"), ("train.num_gpus", cfg.train.num_gpus), engine("evaluate")])
-    if cfg.extract.disk_budget is not None and cfg.extract.gpus:  # the engine runs with training
-        key, _ = engine("extract")
-        if cfg.extract.share_training_gpus:
-            asks["train.num_gpus"] = cfg.train.job_gpus(cfg.extract)
-        else:
-            del asks["train.num_gpus"]
-            asks[f"train.num_gpus + {key} (extract.disk_budget)"] = cfg.train.job_gpus(cfg.extract)
-    if cfg.regenerate.enabled:
-        asks.update([engine("regenerate")])
-    return asks
-
-
-def check_gpu_counts(
-    cfg, available: int | None, targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,)
-) -> list[str]:
-    """Every GPU job's GPUs against what Snakemake may give (``available``: --resources gpu=N),
-    and what a node has (``gpus_per_node``): Snakemake would cap a job silently, and the job
-    would fail when it starts, after every stage before it had run. Raises for the jobs the
-    requested ``targets`` need; returns warnings for the others (``by_targets``)."""
-    problems: dict[str, list[str]] = {}  # by stage: each key is <stage>.<setting>
-    for key, n in gpu_asks(cfg).items():
-        stage = key.split(".")[0]
-        found = problems.setdefault(stage, [])
-        if stage == "train":  # train.num_gpus: on each node
-            nodes, total = cfg.train.num_nodes, n * cfg.train.num_nodes
-            total_key = key if nodes == 1 else f"{key} x train.num_nodes"
-            per_node, per_node_key = n, key
-        else:  # an engine's GPUs: over all its nodes
-            nodes, total, total_key = getattr(cfg, stage).num_nodes, n, key
-            per_node, per_node_key = n // nodes, key if nodes == 1 else f"{key} / {stage}.num_nodes"
-        if available is not None and total > available:
-            found.append(
-                f"{total_key} is {total} GPUs, but snakemake --resources gpu={available} gives "
-                f"at most {available}; lower {key.split(' x ')[0]}, or give Snakemake more GPUs"
-            )
-        if cfg.gpus_per_node is not None and per_node > cfg.gpus_per_node:
-            where = "a job runs on one node" if nodes == 1 else "that many run on each node"
-            more = "" if stage == "train" or nodes == 1 else f", or raise {stage}.num_nodes"
-            found.append(
-                f"{per_node_key} is {per_node} GPUs, but a node has {cfg.gpus_per_node} "
-                f"(gpus_per_node) and {where}; lower {key.split(' x ')[0]}{more}"
-            )
-    errors, warnings = by_targets(problems, targets)
-    if errors:
-        raise UserError("\n".join(errors))
-    return warnings
-
-
-def check_global_batch(
-    cfg, samples: int | None, targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,)
-) -> list[str]:
-    """The global batch against the prepared data (``samples``: prepare's rows, once its stats
-    exist): every micro-batch of every process holds one sample at least, so a training split
-    smaller than num_nodes x processes per node x grad_accum_steps cannot fill one step."""
-    t = cfg.train
-    per_node = t.processes_per_node
-    micro = t.num_nodes * per_node * t.grad_accum_steps
-    found = []
-    if samples is not None:
-        train_samples = samples - round(samples * t.validation_fraction)
-        if train_samples < micro:
-            key = "train.num_gpus" if t.num_gpus > 0 else "train.num_cpu_processes"
-            found.append(
-                f"the training split (about {train_samples} of the {samples} prepared samples) "
-                f"cannot fill one global batch of {micro} micro-batches (train.num_nodes "
-                f"{t.num_nodes} x {key} {per_node} x train.grad_accum_steps "
-                f"{t.grad_accum_steps}, one sample each at least); lower them, or add data"
-            )
-    errors, warnings = by_targets({"train": found} if found else {}, targets)
-    if errors:
-        raise UserError("\n".join(errors))
-    return warnings
-
-
 def check_workflow(
     cfg, verifier_dir: Path | str, targets: list[str] | tuple[str, ...] = (DEFAULT_TARGET,)
 ) -> list[str]:
     """Every check of ``cfg`` (the whole config) against the verifier at ``verifier_dir`` and
     this machine. Raises one UserError listing every problem of what the requested ``targets``
     need; returns the warnings, among them the problems of stages no requested target needs
-    (``by_targets``)."""
+    (``by_targets``; the config's own warnings are lib/workflow/checks.py's)."""
     problems: list[str] = []  # the verifier's files and what every target reads
     staged: dict[str, list[str]] = {}  # the problems of one stage's settings, by stage
 
@@ -338,7 +172,7 @@ def check_workflow(
     vcfg = attempt(None, verifier_files.verifier_config, verifier_dir)
     files = attempt(None, verifier_files.weight_files, verifier_dir)
     attempt(None, check_tokenizer, verifier_dir, cfg.prepare.chat_template.trust_remote_code)
-    found = warnings_for(cfg)
+    found: list[str] = []
     if vcfg is not None:
         attempt("extract", check_extract, cfg.extract, vcfg, False)
         attempt("evaluate", check_evaluate, cfg.evaluate, vcfg, False)

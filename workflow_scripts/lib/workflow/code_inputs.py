@@ -89,6 +89,7 @@ def direct_imports(module: str, root: Path = ROOT) -> set[str]:
 PLUMBING = frozenset(
     f"{PACKAGE}.lib.{name}"
     for name in (
+        "targets",  # which stages each target needs (the dry-run's errors and warnings)
         "training.processes",  # training's processes and their nodes (torchrun, srun)
         "verifier.engine_nodes",  # one engine over several nodes
         "verifier.memory",  # the KV cache and weights against a GPU's memory
@@ -300,7 +301,7 @@ def job_versions(conda: bool, gpus: bool, root: Path = ROOT) -> dict[str, str] |
 # What computes and writes hidden-state shards, in extraction and in a disk budget's engine:
 # their fingerprints hold this code's (and vLLM's version), so shards made by other code or
 # another vLLM are computed again.
-SHARD_CODE = "workflow_scripts.lib.hidden_states.engines"
+SHARD_CODE = "workflow_scripts.lib.hidden_states.extract_engines"
 
 
 def shard_code_fingerprint(root: Path = ROOT, versions: dict[str, str] | None = None) -> str:

@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 from pydantic import (
     BaseModel,
@@ -152,38 +152,73 @@ class _TopLevel(BaseModel):
         return size_bytes(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _eval_prompts_with_own_data(self):
-        # the shared settings, as the stages that take them hold them
-        chat_data, eval_prompts = self.data.chat_data.root, self.evaluate.eval_prompts.root
-        if chat_data and not eval_prompts:
-            raise ValueError(
-                "config key 'eval_prompts' is required when 'chat_data' is set: name held-out "
-                "prompts (a JSONL of rows with 'messages' ending in a user turn, or 'prompt') or "
-                "a public set ({set: humaneval})"
-            )
-        demo = [s.label for s in eval_prompts if s.set == "demo"]
-        if demo and self.verifier is not None:
-            raise ValueError(
-                f"config key 'eval_prompts': set demo ({demo[0]}) is the embedded default's "
-                "held-out prompts, built only when 'verifier' is null: name your own prompts"
-            )
-        longest, engine = self.prepare.max_seq_len_tokens, self.extract.max_model_len_tokens
-        if longest >= engine and self.extract.on_too_long == "fail":
-            raise ValueError(
-                f"prepare.max_seq_len_tokens {longest} lets a sample reach "
-                f"extract.max_model_len_tokens {engine}, and extraction keeps one position for "
-                "the token the engine generates: the run would stop at extract. Set "
-                f"prepare.max_seq_len_tokens to {engine - 1} or below, or raise "
-                "extract.max_model_len_tokens (up to the verifier's max_position_embeddings)"
-            )
-        if self.train.num_nodes > 1 and self.extract.disk_budget is not None:
-            raise ValueError(
-                f"train.num_nodes {self.train.num_nodes} with extract.disk_budget: the engine "
-                "that computes hidden states within a budget runs beside training on one node. "
-                "Over several nodes, extract without a budget (extraction jobs spread over the "
-                "nodes), then train: set extract.disk_budget: null, or train.num_nodes: 1"
-            )
+    def _cross_key_checks(self):
+        for check in CROSS_KEY:
+            problem = check(self)
+            if problem:
+                raise ValueError(problem)
         return self
+
+
+# The refusals of a combination of keys: each takes the whole config and returns why it is
+# refused, or None; the config's model raises the first, so a bad combination fails when the
+# config loads (the dry-run's other checks of the config: lib/workflow/checks.py).
+
+
+def eval_prompts_named(cfg: WorkflowConfig) -> str | None:
+    """Your own chat data needs your own held-out prompts."""
+    if cfg.data.chat_data.root and not cfg.evaluate.eval_prompts.root:
+        return (
+            "config key 'eval_prompts' is required when 'chat_data' is set: name held-out "
+            "prompts (a JSONL of rows with 'messages' ending in a user turn, or 'prompt') or "
+            "a public set ({set: humaneval})"
+        )
+    return None
+
+
+def demo_prompts_with_the_demo_verifier(cfg: WorkflowConfig) -> str | None:
+    """The demo's held-out prompts exist only for the embedded default's verifier."""
+    demo = [s.label for s in cfg.evaluate.eval_prompts.root if s.set == "demo"]
+    if demo and cfg.verifier is not None:
+        return (
+            f"config key 'eval_prompts': set demo ({demo[0]}) is the embedded default's "
+            "held-out prompts, built only when 'verifier' is null: name your own prompts"
+        )
+    return None
+
+
+def samples_fit_the_engine(cfg: WorkflowConfig) -> str | None:
+    """A sample extraction would refuse stops the run at extract."""
+    longest, engine = cfg.prepare.max_seq_len_tokens, cfg.extract.max_model_len_tokens
+    if longest >= engine and cfg.extract.on_too_long == "fail":
+        return (
+            f"prepare.max_seq_len_tokens {longest} lets a sample reach "
+            f"extract.max_model_len_tokens {engine}, and extraction keeps one position for "
+            "the token the engine generates: the run would stop at extract. Set "
+            f"prepare.max_seq_len_tokens to {engine - 1} or below, or raise "
+            "extract.max_model_len_tokens (up to the verifier's max_position_embeddings)"
+        )
+    return None
+
+
+def disk_budget_on_one_node(cfg: WorkflowConfig) -> str | None:
+    """The engine within a disk budget runs beside training, on one node."""
+    if cfg.train.num_nodes > 1 and cfg.extract.disk_budget is not None:
+        return (
+            f"train.num_nodes {cfg.train.num_nodes} with extract.disk_budget: the engine "
+            "that computes hidden states within a budget runs beside training on one node. "
+            "Over several nodes, extract without a budget (extraction jobs spread over the "
+            "nodes), then train: set extract.disk_budget: null, or train.num_nodes: 1"
+        )
+    return None
+
+
+CROSS_KEY: tuple[Callable[[WorkflowConfig], str | None], ...] = (
+    eval_prompts_named,
+    demo_prompts_with_the_demo_verifier,
+    samples_fit_the_engine,
+    disk_budget_on_one_node,
+)
 
 
 # The whole of config.yaml: the top-level keys, then one section per stage with parameters

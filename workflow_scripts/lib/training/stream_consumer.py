@@ -27,10 +27,10 @@ import numpy as np
 
 from workflow_scripts.lib.common import UserError, read_json
 from workflow_scripts.lib.hidden_states import shards as shard_files
-from workflow_scripts.lib.hidden_states import stream as engine_side
+from workflow_scripts.lib.hidden_states import stream_producer as engine_side
 from workflow_scripts.lib.hidden_states.records import ShardRecord, StreamPlan
 from workflow_scripts.lib.training import teacher_check
-from workflow_scripts.lib.training.data import Plan
+from workflow_scripts.lib.training.loader import Plan
 from workflow_scripts.lib.training.disk_budget import (
     BudgetPlan,
     Occurrence,

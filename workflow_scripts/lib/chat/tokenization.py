@@ -1,18 +1,22 @@
 """A chat data file tokenized for training (prepare's output): each conversation's turns
 (``turns.py``) in the fewest rows, streamed; bad conversations fail or are counted; the cost of
 exactness kept visible in the statistics (rows per conversation, supervised tokens by kind,
-extracted tokens against the tokens the rows would hold with their shared prefixes once).
+extracted tokens against the tokens the rows would hold with their shared prefixes once); and the
+prepare stage's work (``prepare``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
+import os
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -26,9 +30,15 @@ from workflow_scripts.lib.chat.rows import (
     read_lines,
     skip_or_fail,
 )
-from workflow_scripts.lib.chat.template import ChatTemplate
+from workflow_scripts.lib.chat.template import ChatTemplate, load_template
 from workflow_scripts.lib.chat.turns import KINDS, Row, conversation_turns, pack_rows, unique_tokens
-from workflow_scripts.lib.common import Progress, UserError
+from workflow_scripts.lib.common import Progress, UserError, atomic_path
+from workflow_scripts.lib.workflow.code_inputs import made_by
+from workflow_scripts.lib.workflow.definitions import PrepareParams
+from workflow_scripts.lib.workflow.records import PrepareStats
+from workflow_scripts.lib.workflow.registry import PrepareIO
+
+log = logging.getLogger("eagle3")
 
 SETTING = "prepare.on_bad_row"
 RECORDED = "regenerated_ids"  # on an assistant message: the ids regenerate served and sampled
@@ -303,3 +313,50 @@ def tokenize_chat_file(
             for name in dict.fromkeys(name for name, _ in total.by_source)
         },
     }
+
+
+def prepare(io: PrepareIO, p: PrepareParams) -> PrepareStats:
+    """The prepare stage's work: ``io.chat_data`` tokenized to ``io.tokenized`` by
+    ``p.num_processes`` workers in input order, with the chat template as served; returns the
+    statistics."""
+    if not io.chat_data.is_file():
+        raise UserError(f"chat data '{io.chat_data}' does not exist (config key 'chat_data')")
+    template = load_template(io.verifier, p.chat_template)  # checked here, before any worker
+    cpus = len(os.sched_getaffinity(0))
+    processes = min(p.num_processes or cpus, cpus)
+    log.info(
+        "prepare: %s with the chat template of %s, arguments %s, date %s; %d processes",
+        io.chat_data,
+        io.verifier,
+        json.dumps(p.chat_template.kwargs),
+        p.chat_template.date,
+        processes,
+    )
+
+    progress = Progress("prepare", total=None, interval_s=p.progress_interval_s)
+    with atomic_path(io.tokenized) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        counts = tokenize_chat_file(
+            io.chat_data,
+            template,
+            p.max_seq_len_tokens,
+            p.on_bad_row,
+            out,
+            progress,
+            processes=processes,
+            load=partial(load_template, io.verifier, p.chat_template),
+        )
+        if counts["rows_out"] == 0:
+            raise UserError(
+                f"{io.chat_data}: no usable conversation among {counts['rows_in']} rows "
+                f"(dropped: {counts['dropped'] or 'none'}): no supervised token came out of the "
+                f"chat template of {io.verifier} with chat_template {p.chat_template.model_dump()}"
+            )
+    progress.log()
+    return PrepareStats(
+        chat_data=str(io.chat_data),
+        verifier=str(io.verifier),
+        **counts,
+        max_seq_len_tokens=p.max_seq_len_tokens,
+        chat_template=p.chat_template.model_dump(),
+        made_by=made_by("prepare"),
+    )

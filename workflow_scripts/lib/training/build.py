@@ -22,7 +22,7 @@ from workflow_scripts.lib.training.init_from import load_init_weights
 from workflow_scripts.lib.draft.layer_config import draft_layer_config
 from workflow_scripts.lib.draft.model import DraftConfig, Eagle3Draft, TeacherHead
 from workflow_scripts.lib.draft.teacher_head import HeadSpec
-from workflow_scripts.lib.training.data import MicroBatch
+from workflow_scripts.lib.training.loader import MicroBatch
 from workflow_scripts.lib.training.inputs import Inputs
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import made_by

@@ -1,11 +1,11 @@
 """Hidden states within a disk budget (``extract.disk_budget``): the engine's side.
 
-Training's job (``lib/training/stream.py``) decides the order in which it reads the shards and
+Training's job (``lib/training/stream_consumer.py``) decides the order in which it reads the shards and
 which of them stay on disk, and writes it to ``schedule.json`` in the stream directory before it
 starts the engine: the held-out shards (the validation split's samples, computed first and kept),
 then every shard occurrence still to compute, in the order of the step that first reads it. This
 module computes them in that order with the extraction's own engine, connector, storage dtype and
-checks (``engines.extract``), each one only once its file is gone (training removes a shard after
+checks (``extract_engines.extract``), each one only once its file is gone (training removes a shard after
 the last step that reads it) and only when it fits: the bytes of the files in the directory plus
 its own exact size (the disk plan's) at most the budget. Training deletes, the engine waits; the
 engine never deletes a file.
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from workflow_scripts.lib.common import UserError, read_json
-from workflow_scripts.lib.hidden_states.engines import extract
+from workflow_scripts.lib.hidden_states.extract_engines import extract
 from workflow_scripts.lib.hidden_states.extraction import (
     Plan,
     ShardPlan,

@@ -309,7 +309,7 @@ def extract(
     label: str | None = None,
 ) -> None:
     """Compute ``shards`` (default: the plan's still to do), in order; ``ready``: each shard
-    starts only once it says so (a disk budget, ``stream.py``)."""
+    starts only once it says so (a disk budget, ``stream_producer.py``)."""
     shards = plan.todo if shards is None else shards
     todo = [s for s in shards if s.samples]
     for s in shards:
