@@ -111,9 +111,14 @@ def test_a_jobs_fingerprint_is_the_one_its_rule_was_planned_with():
 
 
 def fingerprints(root: Path) -> dict[str, str]:
-    code_inputs._statements.cache_clear()
-    code_inputs.closure.cache_clear()
+    """Every stage's fingerprint as the package under ``root`` computes it (the caches are keyed
+    by root and by source, so another tree's never stand for this one's)."""
     return {stage: code_inputs.stage_fingerprint(stage, root) for stage in STAGES}
+
+
+@pytest.fixture(scope="module")
+def as_checked_in() -> dict[str, str]:
+    return fingerprints(ROOT)
 
 
 def edited_tree(tmp_path: Path, module: str, old: str, new: str) -> Path:
@@ -136,7 +141,7 @@ def test_plumbing_modules_exist_and_are_part_of_stages():
     assert not {spec.module for spec in STAGES.values()} & code_inputs.PLUMBING
 
 
-def test_a_changed_check_changes_no_fingerprint(tmp_path):
+def test_a_changed_check_changes_no_fingerprint(tmp_path, as_checked_in):
     """A check (the verifier's context length against the engine's) refuses other settings: no
     output changes, no stage reruns."""
     tree = edited_tree(
@@ -145,13 +150,12 @@ def test_a_changed_check_changes_no_fingerprint(tmp_path):
         "settings.max_model_len_tokens > int(max_pos)",
         "settings.max_model_len_tokens >= int(max_pos)",
     )
-    try:
-        assert fingerprints(tree) == fingerprints(ROOT)
-    finally:
-        fingerprints(ROOT)
+    assert fingerprints(tree) == as_checked_in
 
 
-def test_a_changed_computation_changes_the_fingerprints_of_the_stages_that_run_it(tmp_path):
+def test_a_changed_computation_changes_the_fingerprints_of_the_stages_that_run_it(
+    tmp_path, as_checked_in
+):
     """The engine's arguments (lib/verifier/engine.py) compute the outputs of the stages that run
     the verifier in vLLM, and of those after them."""
     tree = edited_tree(
@@ -160,9 +164,6 @@ def test_a_changed_computation_changes_the_fingerprints_of_the_stages_that_run_i
         "enforce_eager=settings.enforce_eager,",
         "enforce_eager=True,",
     )
-    try:
-        changed = {s for s, f in fingerprints(tree).items() if f != fingerprints(ROOT)[s]}
-    finally:
-        fingerprints(ROOT)
+    changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
     assert {"regenerate", "extract", "extract_stream", "evaluate", "train"} <= changed
     assert not changed & {"data", "prepare", "vocab", "demo"}
