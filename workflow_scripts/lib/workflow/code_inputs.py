@@ -272,16 +272,14 @@ def code_file(
     if not path.exists():
         spec = STAGES[stage]
         found = installed_versions(spec.packages) if versions is None else versions
+        modules = computing(closure(spec.module, root))
         record = {
             "stage": stage,
             "fingerprint": fingerprint,
             "versions": {p: found[p] for p in spec.packages if p in found},
-            "modules": list(computing(closure(spec.module, root))),
+            "modules": list(modules),
         }
-        newest = max(
-            module_file(name, root).stat().st_mtime
-            for name in computing(closure(spec.module, root))
-        )
+        newest = max(module_file(name, root).stat().st_mtime for name in modules)
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(record, indent=1) + "\n")
             os.utime(tmp, (newest, newest))
