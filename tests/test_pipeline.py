@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.workflow]
 
 
 def test_evaluation_results(full_build):
-    work, _ = full_build
+    work, config = full_build
     results = json.loads((Layout(work / "results").evaluate.results).read_text())
     eagle, ngram = results["runs"]["eagle3"], results["runs"]["ngram"]
     assert results["num_prompts"] == 48 and results["num_speculative_tokens"] == 3
@@ -39,7 +39,38 @@ def test_evaluation_results(full_build):
     assert len(eagle["acceptance_rate_per_position"]) == 3
     assert all(0 <= r <= 1 for r in eagle["acceptance_rate_per_position"])
     assert eagle["num_drafts"] > 0 and ngram["num_drafts"] > 0
-    assert results["runs"]["baseline"]["output_tokens_per_s"] > 0
+    # speed: each engine, warm, timed at every concurrency after its start and its acceptance
+    # pass (the warm-up), which are recorded beside; a pass shorter than config.yaml's
+    # speed_pass_min_s repeated
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    assert load_config(shipped).evaluate.concurrency == [1, 4, 16, 64]
+    speed = load_config({**shipped, **config}).evaluate
+    concurrency = speed.concurrency
+    assert concurrency == [4, 64] and speed.speed_pass_min_s == 2.0
+    for run in results["runs"].values():
+        passes = run["speed"]
+        assert [(s["set"], s["concurrency"]) for s in passes] == [("demo", c) for c in concurrency]
+        assert passes[0]["started_s"] >= run["engine_start_s"] + run["generation_s"] > 0
+        for a, b in zip(passes, passes[1:]):
+            assert b["started_s"] >= a["started_s"] + a["wall_s"]
+        for s in passes:
+            assert s["requests"] % max(48, s["concurrency"]) == 0  # served whole, repeated
+            assert (
+                s["wall_s"] >= speed.speed_pass_min_s
+                and s["warmup_s"] > 0
+                and s["output_tokens_per_s"] > 0
+            )
+            assert s["ttft_median_s"] > 0 and s["tpot_median_s"] > 0  # vLLM's request metrics
+    for s, base in zip(eagle["speed"], results["runs"]["baseline"]["speed"]):
+        per_request = s["output_tokens"] / s["requests"]  # lossless: the same tokens
+        assert per_request == base["output_tokens"] / base["requests"]
+        assert s["mean_acceptance_length"] == pytest.approx(eagle["mean_acceptance_length"], 0.05)
+    assert [(g["set"], g["concurrency"]) for g in results["speedups"]] == [
+        (name, c) for name in ("demo", "all") for c in concurrency
+    ]
+    first = results["speedups"][0]
+    assert results["summary"]["speedup_concurrency"] == 4
+    assert results["summary"]["eagle3_speedup"] == first["eagle3"] > 0
     # per prompt (vLLM's per-request metrics), pooled: the counters' figures, with an interval
     for run in (eagle, ngram):
         per_prompt = run["per_prompt"]
@@ -58,7 +89,13 @@ def test_evaluation_results(full_build):
     # speculation is lossless at temperature 0: identical outputs (a mismatch would be listed)
     assert results["greedy_lossless"], results["greedy_mismatches"]
     assert not any(results["greedy_mismatches"].values())
-    for name in ("acceptance_per_position", "draft_vs_ngram", "training_curves"):
+    plots = (
+        "acceptance_per_position",
+        "draft_vs_ngram",
+        "speedup_by_concurrency",
+        "training_curves",
+    )
+    for name in plots:
         png = work / "results" / "evaluate" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     # the teacher proven the verifier's own before training's first step (training/teacher_check.py)
@@ -87,6 +124,7 @@ def test_report(mechanics_build, tmp_path):
     names = zipfile.ZipFile(report).namelist()
     for expected in (
         "acceptance_per_position.png",
+        "speedup_by_concurrency.png",
         RESULTS,
         "config.resolved.yaml",
         STATS,
@@ -207,35 +245,28 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
 
     from workflow_scripts.lib.chat.template import load_template
     from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets, run_in_child
-    from workflow_scripts.lib.verifier import engine
+    from workflow_scripts.lib.evaluation.run import engine_jobs
+    from workflow_scripts.lib.workflow.registry import EvaluateIO
     from workflow_scripts.lib.workflow.sources import PromptSource
 
     work, config = full_build
     shipped = yaml.safe_load((work / "config.yaml").read_text())
-    evaluate = {**shipped["evaluate"], "tensor_parallel_size": 2}
+    evaluate = {**shipped["evaluate"], "tensor_parallel_size": 2, "concurrency": []}
     p = load_config({**shipped, **config, "evaluate": evaluate}).evaluate
     results = work / "results"
     verifier_dir = results / "demo" / "verifier"
     demo_prompts = [PromptSource(path=str(results / "demo" / "eval_prompts.jsonl"))]
     prompts = load_prompt_sets(demo_prompts, load_template(verifier_dir, p.chat_template), 4)
-    spec = {
-        "method": "eagle3",
-        "model": str(results / "train" / "draft"),
-        "num_speculative_tokens": 3,
-    }
-    job = {
-        "engine": {
-            **engine.engine_args(p, verifier_dir, "float32", disable_log_stats=False),
-            "speculative_config": spec,
-        },
-        "prompts": prompts,
-        "runs": [("greedy", 0.0)],
-        "max_new_tokens": p.max_new_tokens,
-        "seed": 0,
-        "use_gpus": False,
-        "max_model_len": p.max_model_len_tokens,
-        "context_edges": p.context_edges(),
-    }
+    built = Layout(results)
+    io = EvaluateIO(
+        verifier=verifier_dir,
+        draft=built.train.draft,
+        metrics=built.train.metrics,
+        results=built.evaluate.results,  # not written: the job's results go to tmp_path
+        plot_dir=built.evaluate.plots,
+    )
+    job = engine_jobs(io, p, prompts, [("greedy", 0.0)])["eagle3"]  # as the stage makes it
+    assert job["engine"]["tensor_parallel_size"] == 2
     run = run_in_child(job, tmp_path, "eagle3_tp2")["greedy"]
     evaluated = json.loads((Layout(results).evaluate.results).read_text())
     assert run["mean_acceptance_length"] >= 2.5, run
@@ -339,6 +370,20 @@ def test_evaluation_reports_each_set_and_all_together(mechanics_build):
     k = len(pooled) - 1
     overall = 1 + sum(pooled[i + 1 :].sum() for i in range(k)) / pooled.sum()
     assert results["runs"]["eagle3"]["mean_acceptance_length"] == pytest.approx(overall)
+    # the speed passes (concurrency [1], each timed once): per set, first turns only, each set's
+    # own max_new_tokens; the speedups per set, then over all three
+    for run in ("baseline", "eagle3", "ngram"):
+        passes = results["runs"][run]["speed"]
+        assert [(s["set"], s["concurrency"], s["requests"]) for s in passes] == [
+            ("demo", 1, 4), ("humaneval", 1, 4), ("mt_bench", 1, 2),
+        ]  # fmt: skip
+        tokens = {s["set"]: s["output_tokens"] for s in passes}
+        assert tokens["demo"] <= 4 * 16  # evaluate's max_new_tokens, 16
+        assert tokens["humaneval"] <= 4 * 8  # the set's own, 8
+        assert tokens["mt_bench"] <= 2 * 16  # their first turns only
+    assert [(g["set"], g["concurrency"]) for g in results["speedups"]] == [
+        ("demo", 1), ("humaneval", 1), ("mt_bench", 1), ("all", 1),
+    ]  # fmt: skip
 
 
 def test_acceptance_by_context_length_holds_every_verify_step(mechanics_build):

@@ -192,7 +192,11 @@ def test_the_estimate_names_tokens_bytes_and_free_space(tmp_path, monkeypatch):
     assert lines[3].startswith("  disk: ") and " needed with extract.disk_margin 1.1" in lines[3]
     assert not any(line.startswith("  evaluate") for line in lines)
     lines, _ = report(paths, config, ["all"])
-    assert lines[-1].startswith("  evaluate: at most 384 generated tokens per prompt turn")
+    assert lines[-2].startswith("  evaluate: at most 384 generated tokens per prompt turn")
+    assert lines[-1] == (
+        "  evaluate's speed passes: each engine serves every first turn 4 time(s) more "
+        "(concurrency [1, 4, 16, 64]), each set at least 64 requests in its last pass"
+    )
     assert report(paths, config, ["vocab_map"]) == ([], [])  # extracts nothing: nothing shown
 
     # petabytes of states: more than any disk here; a warning naming the disk budget

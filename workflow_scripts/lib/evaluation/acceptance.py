@@ -22,6 +22,7 @@ from workflow_scripts.lib.common import UserError, write_json
 from workflow_scripts.lib.data.files import source_files
 from workflow_scripts.lib.data.layouts import prompt_layout, prompt_row
 from workflow_scripts.lib.data.readers import iter_rows
+from workflow_scripts.lib.evaluation.speed import speed_passes
 from workflow_scripts.lib.verifier.engine import close_llm, make_llm
 from workflow_scripts.lib.workflow.params_base import ChatTemplateSettings
 from workflow_scripts.lib.workflow.records import MetricsRow
@@ -222,11 +223,13 @@ def _run_engine(job: dict[str, Any], out_path: str) -> None:
     from workflow_scripts.lib.chat.template import load_template
 
     # one CPU worker: the engine core runs in this process (see engine.make_llm)
+    started = time.perf_counter()
     llm = make_llm(job["engine"], use_gpus=job["use_gpus"])
+    engine_start_s = time.perf_counter() - started
     template = None
     if any(p["later_turns"] for p in job["prompts"]):
         template = load_template(job["verifier"], ChatTemplateSettings(**job["chat_template"]))
-    # warm-up: one short request, so that start-up cost is not counted as generation time
+    # one short request first: the acceptance pass then starts with the engine's first steps done
     first = [{"prompt_token_ids": job["prompts"][0]["prompt_token_ids"]}]
     llm.generate(first, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     before = llm.get_metrics()
@@ -259,11 +262,11 @@ def _run_engine(job: dict[str, Any], out_path: str) -> None:
         before = after
         out_tokens = sum(len(o) for o in outputs)
         results[name] = {
+            "engine_start_s": engine_start_s,
             "temperature": temperature,
             "sampling": {"seed": job["seed"], **sampling_settings(llm)},
             "generation_s": elapsed,
             "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / elapsed,
             "num_drafts": drafts,
             "num_draft_tokens": draft_tokens,
             "num_accepted_tokens": accepted,
@@ -276,6 +279,15 @@ def _run_engine(job: dict[str, Any], out_path: str) -> None:
             "acceptance_histograms_by_context": contexts,
             "outputs": outputs,
         }
+    # the speed passes, greedy, the engine warm: its start and the passes above left out
+    results["greedy"]["speed"] = speed_passes(
+        llm,
+        job["prompts"],
+        job["max_new_tokens"],
+        job["concurrency"],
+        job["speed_pass_min_s"],
+        started,
+    )
     write_json(out_path, results)  # atomically: the parent waits for this file
     close_llm(llm)
 

@@ -1,6 +1,6 @@
 """The evaluation's plots: acceptance per draft position and by context length (vLLM's, with 95%
-intervals over prompts, and what training simulated), the draft against n-gram, and the training
-curves."""
+intervals over prompts, and what training simulated), the draft against n-gram, the speedup
+against the requests in flight, and the training curves."""
 
 from __future__ import annotations
 
@@ -58,26 +58,21 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     fig.savefig(plot_dir / "acceptance_per_position.png", dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(6, 4))
     names = list(runs)
-    axes[0].bar(names, [runs[n]["mean_acceptance_length"] for n in names], color="tab:blue")
-    axes[0].set_ylabel("mean acceptance length")
-    axes[0].set_title(
+    ax.bar(names, [runs[n]["mean_acceptance_length"] for n in names], color="tab:blue")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title(
         f"k = {results['num_speculative_tokens']} (max {results['num_speculative_tokens'] + 1})"
     )
-    all_runs = results["runs"]
-    axes[1].bar(
-        list(all_runs), [r["output_tokens_per_s"] for r in all_runs.values()], color="tab:green"
-    )
-    axes[1].set_ylabel("output tokens/s")
-    axes[1].set_title("Throughput")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=20)
+    ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()
     fig.savefig(plot_dir / "draft_vs_ngram.png", dpi=120)
     plt.close(fig)
 
     plot_by_context(results, plot_dir / "acceptance_by_context.png")
+    if results["speedups"]:
+        plot_speedups(results["speedups"], plot_dir / "speedup_by_concurrency.png")
 
     rows = MetricsRow.read_all(metrics_path)
     train = [r for r in rows if r.split == "train"]
@@ -103,6 +98,28 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     axes[1].set_ylabel(f"simulated acceptance per position ({'held-out' if val else 'train'})")
     fig.tight_layout()
     fig.savefig(plot_dir / "training_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_speedups(speedups: list[dict[str, Any]], path: Path) -> None:
+    """Output tokens/s over the verifier alone's against the requests in flight, per set and
+    over all of them (the draft's solid, n-gram's dashed)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, name in enumerate(dict.fromkeys(s["set"] for s in speedups)):
+        rows = [s for s in speedups if s["set"] == name]
+        for run, style in (("eagle3", "-o"), ("ngram", "--s")):
+            ax.plot([s["concurrency"] for s in rows], [s[run] for s in rows], style,
+                    color="k" if name == "all" else f"C{i}", label=f"{name}: {run}")  # fmt: skip
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("speedup over the verifier alone")
+    ax.set_title("Serving speed (output tokens/s, warm engines)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

@@ -42,16 +42,48 @@ class RunAcceptance(Acceptance):
     by_context: list[ContextBucket]
 
 
-class EngineRun(Record):
-    """One engine serving every prompt: output tokens and time, vLLM's speculative-decoding
-    counters, and per prompt how many verify steps accepted 0..k drafts (overall and per context
-    bucket)."""
+class SpeedPass(Record):
+    """One timed pass of a set's prompts (their first turns, greedy) by a warm engine with
+    ``concurrency`` requests in flight (lib/evaluation/speed.py), after the same requests served
+    untimed (``warmup_s``); the latencies are medians over its requests of vLLM's request
+    metrics; ``started_s``: when its first timed request was added, in seconds since the engine
+    began to start (after the engine's start and its acceptance pass)."""
 
+    set: str
+    started_s: float
+    warmup_s: float
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    mean_acceptance_length: float | None
+    drafted_tokens_per_s: float | None
+    ttft_median_s: float | None
+    tpot_median_s: float | None
+
+
+class Speedup(Record):
+    """Output tokens/s with each speculator over the verifier alone's, on a set (or ``all``) at a
+    concurrency."""
+
+    set: str
+    concurrency: int
+    eagle3: float
+    ngram: float
+
+
+class EngineRun(Record):
+    """One engine serving every prompt once for the acceptance (its start and this pass are the
+    warm-up the speed passes leave out; their seconds recorded): output tokens, vLLM's
+    speculative-decoding counters, per prompt how many verify steps accepted 0..k drafts (overall
+    and per context bucket); and, greedy, the timed speed passes."""
+
+    engine_start_s: float
     temperature: float
     sampling: dict[str, Any]
     generation_s: float
     output_tokens: int
-    output_tokens_per_s: float
     num_drafts: float
     num_draft_tokens: float
     num_accepted_tokens: float
@@ -63,6 +95,7 @@ class EngineRun(Record):
     acceptance_histograms_by_context: list[list[list[int] | None]]
     per_prompt: Acceptance | None = None
     by_context: list[ContextBucket] | None = None
+    speed: list[SpeedPass] | None = None
 
 
 class SetResults(Record):
@@ -97,8 +130,10 @@ class Summary(Record):
     eagle3_simulated_acceptance_length: float | None
     ngram_mean_acceptance_length: float | None
     eagle3_over_ngram: float | None
-    eagle3_speedup: float
-    ngram_speedup: float
+    # over all sets at the lowest concurrency of the speed passes (None without them)
+    speedup_concurrency: int | None
+    eagle3_speedup: float | None
+    ngram_speedup: float | None
 
 
 class EvalResults(Record):
@@ -115,5 +150,6 @@ class EvalResults(Record):
     max_new_tokens: int
     greedy_mismatches: dict[str, list[str | int]]
     greedy_lossless: bool
+    speedups: list[Speedup]
     summary: Summary
     made_by: MadeBy

@@ -1,8 +1,9 @@
 """The evaluate stage's work (``evaluate(io, p)``): the held-out prompts served by the verifier in
 vLLM three times, each engine in its own process (without speculation, with the EAGLE-3 draft,
-with n-gram), greedy and optionally sampled; the acceptance from vLLM's counters with intervals
-over prompts, per set and by context length; the greedy outputs with a speculator held to those
-without; and the summary (lib/evaluation/records.py: ``EvalResults``).
+with n-gram), greedy and optionally sampled, then, warm, timed at each concurrency (``speed``);
+the acceptance from vLLM's counters with intervals over prompts, per set and by context length;
+the greedy outputs with a speculator held to those without; each speculator's speedup; and the
+summary (lib/evaluation/records.py: ``EvalResults``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from workflow_scripts.lib.evaluation.acceptance import (
     simulated_acceptance,
 )
 from workflow_scripts.lib.evaluation.records import EvalResults
+from workflow_scripts.lib.evaluation.speed import speedups
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import made_by
@@ -62,6 +64,38 @@ def speculators(io: EvaluateIO, p: EvaluateParams, engine_args: dict) -> dict[st
     }
 
 
+def engine_jobs(
+    io: EvaluateIO, p: EvaluateParams, prompts: list[dict], runs: list[tuple[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """Per speculator, what its engine's process serves (acceptance.run_engine): the engine's
+    arguments, the prompts, the runs (name, temperature) and the speed passes' concurrencies."""
+    dtype = engine.resolve_dtype(p, verifier_files.verifier_config(io.verifier))
+    engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
+    jobs = {}
+    for name, spec in speculators(io, p, engine_args).items():
+        speculation = (
+            # detailed: each verify step's accepted drafts, in order (acceptance by context)
+            {"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
+            if spec
+            else {}
+        )
+        jobs[name] = {
+            "engine": {**engine_args, **speculation},
+            "prompts": prompts,
+            "runs": runs,
+            "max_new_tokens": p.max_new_tokens,
+            "seed": 0,
+            "use_gpus": p.use_gpus,
+            "verifier": str(io.verifier),
+            "chat_template": p.chat_template.model_dump(),
+            "max_model_len": p.max_model_len_tokens,
+            "context_edges": p.context_edges(),
+            "concurrency": p.concurrency,
+            "speed_pass_min_s": p.speed_pass_min_s,
+        }
+    return jobs
+
+
 def greedy_mismatches(prompts: list[dict], outputs: dict[str, list]) -> dict[str, list]:
     """Per speculator, the ids of the prompts whose greedy outputs differ from the verifier's
     alone (vLLM's speculative decoding is lossless: none)."""
@@ -97,9 +131,9 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
     )
     verifier_cfg = verifier_files.verifier_config(io.verifier)
     preflight.check_evaluate(p, verifier_cfg)
-    dtype = engine.resolve_dtype(p, verifier_cfg)
-    engine.check_devices(p, "evaluate", dtype=dtype, verifier=io.verifier)
-    engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
+    engine.check_devices(
+        p, "evaluate", dtype=engine.resolve_dtype(p, verifier_cfg), verifier=io.verifier
+    )
     k = p.num_speculative_tokens
     runs = [("greedy", 0.0)]
     if p.sampled_temperature is not None:
@@ -110,25 +144,7 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
     scratch = io.results.parent / f".{io.results.name}.engines"
     scratch.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, list] = {}
-    for name, spec in speculators(io, p, engine_args).items():
-        speculation = (
-            # detailed: each verify step's accepted drafts, in order (acceptance by context)
-            {"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
-            if spec
-            else {}
-        )
-        job = {
-            "engine": {**engine_args, **speculation},
-            "prompts": prompts,
-            "runs": runs,
-            "max_new_tokens": p.max_new_tokens,
-            "seed": 0,
-            "use_gpus": p.use_gpus,
-            "verifier": str(io.verifier),
-            "chat_template": p.chat_template.model_dump(),
-            "max_model_len": p.max_model_len_tokens,
-            "context_edges": edges,
-        }
+    for name, job in engine_jobs(io, p, prompts, runs).items():
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"
             outputs[key] = run.pop("outputs")
@@ -143,8 +159,9 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
     scratch.rmdir()
 
     mismatches = greedy_mismatches(prompts, outputs)
-    base_tps = results["baseline"]["output_tokens_per_s"]
     eagle, ngram = results["eagle3"], results["ngram"]
+    gains = speedups(results) if p.concurrency else []
+    lowest = next((g for g in gains if g["set"] == "all"), {})
     simulated = simulated_acceptance(io.metrics, k)
     return EvalResults(
         runs=results,
@@ -165,6 +182,7 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
         max_new_tokens=p.max_new_tokens,
         greedy_mismatches=mismatches,
         greedy_lossless=not any(mismatches.values()),
+        speedups=gains,
         summary={
             "eagle3_mean_acceptance_length": eagle["mean_acceptance_length"],
             "eagle3_mean_acceptance_length_ci95": eagle.get("per_prompt", {}).get(
@@ -177,8 +195,9 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
                 if eagle["mean_acceptance_length"] and ngram["mean_acceptance_length"]
                 else None
             ),
-            "eagle3_speedup": eagle["output_tokens_per_s"] / base_tps,
-            "ngram_speedup": ngram["output_tokens_per_s"] / base_tps,
+            "speedup_concurrency": lowest.get("concurrency"),
+            "eagle3_speedup": lowest.get("eagle3"),
+            "ngram_speedup": lowest.get("ngram"),
         },
         made_by=made_by("evaluate"),
     )

