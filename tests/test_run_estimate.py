@@ -194,8 +194,9 @@ def test_the_estimate_names_tokens_bytes_and_free_space(tmp_path, monkeypatch):
     lines, _ = report(paths, config, ["all"])
     assert lines[-2].startswith("  evaluate: at most 384 generated tokens per prompt turn")
     assert lines[-1] == (
-        "  evaluate's speed passes: each engine serves every first turn 4 time(s) more "
-        "(concurrency [1, 4, 16, 64]), each set at least 64 requests in its last pass"
+        "  evaluate's speed passes: each engine serves every first turn at least 8 times more "
+        "(concurrency [1, 4, 16, 64], each untimed then timed, the timed one again until "
+        "evaluate.speed_pass_min_s 2 s), each set at least 64 requests a pass"
     )
     assert report(paths, config, ["vocab_map"]) == ([], [])  # extracts nothing: nothing shown
 

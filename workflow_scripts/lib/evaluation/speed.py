@@ -2,9 +2,9 @@
 serves each set's prompts again with a fixed number of requests in flight, a new one added as
 soon as one finishes, for each concurrency in turn: once untimed, then timed from the first
 request added to the last one finished (repeated where that is shorter than evaluate's
-``speed_pass_min_s``). Per pass: output tokens/s, the acceptance, and per
-request vLLM's own time to first token and time per output token (its request metrics). Then
-each speculator's speedup over the verifier alone, per set and concurrency and over all sets.
+``speed_pass_min_s``). Per pass: output tokens/s, the acceptance, and per request vLLM's own
+time to first token and time per output token (its request metrics). Then each speculator's
+speedup over the verifier alone, per set and concurrency and over all sets.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def speed_pass(
     flight: at least that many requests, the prompts repeated in order where there are fewer. The
     same requests are served once untimed first (its seconds: ``warmup_s``), so that what an
     engine does once for a new mix of batch shapes is not timed; then timed, again until the
-    timed passes add up to ``min_s`` seconds at least (a window of seconds, not of a few steps). Returns the pass's figures
-    (lib/evaluation/records.py: ``SpeedPass``, less its set), with when the timed pass started,
-    in seconds since ``origin`` (when the engine began to start)."""
+    timed passes add up to ``min_s`` seconds at least (a window of seconds, not of a few steps).
+    Returns the pass's figures (lib/evaluation/records.py: ``SpeedPass``, less its set), with
+    when the timed pass started, in seconds since ``origin`` (when the engine began to start)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 

@@ -227,9 +227,10 @@ def run_estimate(
         )
         if e.concurrency:
             lines.append(
-                f"  evaluate's speed passes: each engine serves every first turn {len(e.concurrency)}"
-                f" time(s) more (concurrency {e.concurrency}), each set at least "
-                f"{e.concurrency[-1]} requests in its last pass"
+                f"  evaluate's speed passes: each engine serves every first turn at least "
+                f"{2 * len(e.concurrency)} times more (concurrency {e.concurrency}, each untimed "
+                f"then timed, the timed one again until evaluate.speed_pass_min_s "
+                f"{e.speed_pass_min_s:g} s), each set at least {e.concurrency[-1]} requests a pass"
             )
     return lines, warnings
 
