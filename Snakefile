@@ -18,6 +18,7 @@ include: "rules/vocab.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/export.smk"
 
 
 rule all:
@@ -51,3 +52,15 @@ rule evaluate:
     input:
         rules.evaluate_draft.output,
         rules.resolved_config.output,
+
+
+rule export_sglang:
+    """Target: the draft as SGLang serves it, in <results_dir>/export/sglang/."""
+    input:
+        L.export.draft("sglang"),
+
+
+rule export_trtllm:
+    """Target: the draft as TensorRT-LLM serves it, in <results_dir>/export/trtllm/."""
+    input:
+        L.export.draft("trtllm"),

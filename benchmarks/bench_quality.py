@@ -193,6 +193,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "speculators 0.9's recipe at the baseline's steps and micro-batches",
         {"train": {**SPECULATORS, "micro_batch_budget_tokens": 4096, "warmup_steps": 2}},
     ),
+    "real_residual_false": (
+        "train.norm_before_residual: false (the residual convention SGLang and TensorRT-LLM serve)",
+        {"train": {"norm_before_residual": False}},
+    ),
     "real_fc_norm": (
         "train.fc_norm and train.norm_output: true (vLLM's EAGLE-3.1 norms, the per-layer form)",
         {"train": {"fc_norm": True, "norm_output": True}},
@@ -265,6 +269,7 @@ REAL = (
     "baseline",
     "real_speculators_equal_steps",
     "eagle3.1_norms",
+    "real_residual_false",
     "real_fc_norm",
     "vocab_4k",
     "vocab_16k",

@@ -71,8 +71,12 @@ def run_demo(out_dir: Path, timeout_s: float = 900, **params) -> dict[str, Path]
 #   that rewrites history, conversations with reasoning and tool calls), so that this build is
 #   also the whole-workflow test of such data: regenerated, prepared, extracted, trained on,
 #   and the draft served by vLLM; evaluated on two sets, the demo's prompts and HumanEval's.
-FULL_CONFIG: dict = {  # two of config.yaml's four speed passes (execution settings): a minute less
-    "evaluate": {"concurrency": [4, 64]}
+FULL_CONFIG: dict = {
+    "evaluate": {"concurrency": [4, 64]},  # two of config.yaml's four speed passes: a minute less
+    # the draft SGLang and TensorRT-LLM serve (the residual convention, full attention), so that
+    # its exports are served too (tests/test_export.py); the mechanics build trains
+    # config.yaml's recipe
+    "train": {"norm_before_residual": False, "sliding_window_tokens": None},
 }
 MECHANICS_CONFIG = {
     "demo": {
@@ -115,7 +119,8 @@ REAL_CONFIG = {
     "prepare": {"max_seq_len_tokens": 1023},
     "vocab": {"draft_vocab_size": 1024},
     "extract": {"max_model_len_tokens": 1024},
-    "train": {"epochs": 4, "sliding_window_tokens": None},
+    # the residual convention SGLang and TensorRT-LLM serve: its exports are served by vLLM
+    "train": {"epochs": 4, "sliding_window_tokens": None, "norm_before_residual": False},
     "eval_prompts": [{"set": "demo"}, {"set": "humaneval", "max_new_tokens": 16}],
     "evaluate": {
         "max_new_tokens": 24,
@@ -148,9 +153,9 @@ class Builds:
             "full",
             [DEMO_OUTPUTS["verifier"] + "/config.json", *list(DEMO_OUTPUTS.values())[1:]],
         ),
-        "full_evaluate": ("full", ["evaluate"]),
+        "full_evaluate": ("full", ["evaluate", "export_sglang", "export_trtllm"]),
         "mechanics_evaluate": ("mechanics", ["evaluate"]),
-        "real_evaluate": ("real", ["evaluate"]),
+        "real_evaluate": ("real", ["evaluate", "export_sglang", "export_trtllm"]),
     }
     # the session-build fixture -> the steps it needs
     NEEDS = {

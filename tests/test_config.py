@@ -7,7 +7,9 @@ import re
 import shlex
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import yaml
@@ -138,6 +140,8 @@ def _stage_files(stage: str) -> dict:
     for name, field in STAGES[stage].io.model_fields.items():
         if field.annotation is int:
             files[name] = 1
+        elif typing.get_origin(field.annotation) is Literal:  # a wildcard of a few values
+            files[name] = typing.get_args(field.annotation)[-1]
         elif "list" in str(field.annotation):
             files[name] = [f"a/{name}_0", f"a/{name}_1"]
         else:

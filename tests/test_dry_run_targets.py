@@ -74,7 +74,13 @@ RULE_STAGE = {
 }
 # rules with wildcards are no targets a user can ask for, only cluster jobs (--target-jobs), which
 # run that one job: their entries are their merges'
-JOB_RULES = {"regenerate": "regenerate_merge", "extract": "extract_merge"}
+JOB_RULES = {
+    "regenerate": "regenerate_merge",
+    "extract": "extract_merge",
+    "export": "export_sglang",
+}
+# a draft SGLang and TensorRT-LLM serve: what their export targets need (lib/draft/export.py)
+SERVABLE = {"train": {"sliding_window_tokens": None, "norm_before_residual": False}}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +96,8 @@ def test_the_stages_each_target_needs_are_those_its_dag_runs(default_workflow, t
     if target in JOB_RULES:
         assert targets.TARGET_STAGES[target] == targets.TARGET_STAGES[JOB_RULES[target]]
         return
-    error, out = dry_run_in_process(default_workflow, target, {"regenerate": {"enabled": True}})
+    config = {"regenerate": {"enabled": True}, **(SERVABLE if target.startswith("export") else {})}
+    error, out = dry_run_in_process(default_workflow, target, config)
     assert error is None, out[-3000:]
     planned = {RULE_STAGE[rule] for rule in jobs_in(out) if rule in RULE_STAGE}
     assert planned == targets.TARGET_STAGES[target]

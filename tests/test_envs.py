@@ -392,6 +392,7 @@ CPU_RULES = {
     "extract_merge",
     "extract_plan",
     "resolved_config",
+    "export",
 }
 
 

@@ -451,7 +451,7 @@ def test_training_over_two_nodes_is_the_one_node_draft_and_resumes_after_a_node_
         (config, {"train": {"nodes": 1}}, "the profile sets nodes: 1 for rule train"),
     ):
         error, out = workflow_runner.dry_run_in_process(
-            workdir, "draft_ckpt", changed, set_resources
+            workdir, "draft_ckpt", changed, set_resources, slurm=True
         )
         assert error is not None and why in error and "train.num_nodes" in error, out[-3000:]
 

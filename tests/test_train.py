@@ -957,6 +957,10 @@ def test_training_starts_from_an_existing_draft(inputs, tmp_path):
             r"norm_output: False where training's is True; set train\.norm_output",
         ),
         (
+            {"norm_before_residual": False},
+            r"norm_before_residual: True where training's is False; set train\.norm_before_residual",
+        ),
+        (
             {"aux": [0, 1, 3]},
             r"auxiliary layers: \[1, 2, 3\] where extraction's is \[0, 1, 3\]; set extract\.aux_layer_ids: \[1, 2, 3\]",
         ),

@@ -123,19 +123,24 @@ def dry_run_in_process(
     config: dict,
     set_resources: dict | None = None,
     printshellcmds: bool = False,
+    resources: dict | None = None,
+    slurm: bool = False,
 ) -> tuple[str | None, str]:
     """A dry-run of ``target`` with ``config`` over config.yaml, from Snakemake's Python API in
     this process (a tenth of a second instead of the seconds a new Snakemake process takes):
     (the error that stopped it, or None; everything it wrote). ``set_resources``: by rule, as
     --set-resources or a profile's set-resources give them. ``printshellcmds``: as -p, each
-    job's command too. Its environment is taken for one made from the GPU lock, as
-    as_gpu_environment does for a copy run in its own process, so that GPU configs plan here."""
+    job's command too. ``resources``: as --resources. Its environment is taken for one made
+    from the GPU lock, as as_gpu_environment does for a copy run in its own process, so that GPU
+    configs plan here. ``slurm``: the dry-run asks SLURM for its nodes (sinfo), as on a cluster;
+    otherwise there is none (this machine's sinfo, with no controller up outside the SLURM
+    tests, would wait seconds for one to answer)."""
     import contextlib
     import io
     import tempfile
     from unittest import mock
 
-    from workflow_scripts.lib.verifier import environment
+    from workflow_scripts.lib.verifier import cluster, environment
 
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import (
@@ -156,13 +161,20 @@ def dry_run_in_process(
                 contextlib.redirect_stderr(out),
                 contextlib.redirect_stdout(out),
                 mock.patch.object(environment, "cpu_build", lambda: None),
+                (
+                    contextlib.nullcontext()
+                    if slurm
+                    else mock.patch.object(cluster, "slurm_cluster", lambda *a, **k: None)
+                ),
                 # the command line the checks read the targets from (lib/dryrun.py)
                 mock.patch.object(sys, "argv", ["snakemake", target]),
             ):
                 with SnakemakeApi(OutputSettings(printshellcmds=printshellcmds)) as api:
                     workflow = api.workflow(
                         resource_settings=ResourceSettings(
-                            cores=2, overwrite_resources=set_resources or {}
+                            cores=2,
+                            overwrite_resources=set_resources or {},
+                            resources=resources or {},
                         ),
                         config_settings=ConfigSettings(configfiles=[Path(fh.name)]),
                         storage_settings=StorageSettings(),

@@ -19,6 +19,7 @@ from typing import Callable
 from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.targets import DEFAULT_TARGET, by_targets
 from workflow_scripts.lib.data.resolve import input_files, resolve_sources
+from workflow_scripts.lib.draft.export import ENGINES, DraftShape, serving_problems
 from workflow_scripts.lib.hidden_states.estimate import dry_run_report
 from workflow_scripts.lib.training import disk_budget, init_from
 from workflow_scripts.lib.verifier import cluster, environment, preflight
@@ -179,6 +180,7 @@ def check_run(
     except UserError as exc:
         run.init_from_files = []
         _demoted("train", exc, targets, run)
+    _engines(cfg, targets, layout, run, say_which=estimate)
     if estimate:
         _estimate(cfg, targets, layout, run, versions)
     # The GPU jobs against the environment the jobs run, when it is Snakemake's own: its CPU
@@ -224,6 +226,47 @@ def _sources(cfg: WorkflowConfig, targets: list[str], layout: Layout, run: Run) 
             raise UserError("\n".join(errors)) from None
         warnings += later
     run.warn(warnings)
+
+
+ENGINES_DOC = "docs/gpu-and-slurm.md#serving-on-sglang-and-tensorrt-llm"
+
+
+def _engines(
+    cfg: WorkflowConfig, targets: list[str], layout: Layout, run: Run, say_which: bool
+) -> None:
+    """Which engines serve the draft the config trains (lib/draft/export.py): said when
+    ``say_which``; an export target for an engine that cannot is refused, saying why."""
+    t = cfg.train
+    ids = cfg.extract.aux_layer_ids
+    if ids is None and run.verifier_cfg:
+        ids = aux_layer_ids(run.verifier_cfg, None)
+    shape = DraftShape(
+        layer="mla" if t.draft_attention == "mla" else t.draft_layer,
+        num_layers=t.num_draft_layers,
+        aux_layer_ids=None if ids is None else tuple(ids),
+        sliding_window=t.sliding_window_tokens,
+        norm_before_residual=t.norm_before_residual,
+    )
+    problems = {engine: serving_problems(shape, engine) for engine in ENGINES}
+    for engine, found in problems.items():
+        export_dir = str(layout.export.draft(engine))
+        if found and any(x == f"export_{engine}" or x.startswith(export_dir) for x in targets):
+            raise UserError(
+                f"target export_{engine} cannot be built: {ENGINES[engine]} cannot serve the "
+                "draft this config trains as it is trained:\n  " + "\n  ".join(found)
+            )
+    if say_which:
+        can = ["vLLM"] + [ENGINES[e] for e, found in problems.items() if not found]
+        keys = {e: ", ".join(why.split(":")[0] for why in found) for e, found in problems.items()}
+        by_keys = {}  # engines refused for the same keys, together
+        for engine, why in keys.items():
+            if why:
+                by_keys.setdefault(why, []).append(ENGINES[engine])
+        line = f"the draft will be served by {' and '.join(can)}"
+        if by_keys:
+            cannot = "; ".join(f"{' nor '.join(names)} ({why})" for why, names in by_keys.items())
+            line += f"; not by {cannot}: {ENGINES_DOC}"
+        run.say("info", line)
 
 
 def _estimate(

@@ -153,6 +153,7 @@ def build_draft(
         layer_config,
         inputs.d2t.numel(),
         len(inputs.aux_layer_ids),
+        norm_before_residual=p.norm_before_residual,
         norm_before_fc=p.norm_before_fc,
         norm_output=p.norm_output,
         attention=p.draft_attention,

@@ -116,11 +116,10 @@ def check_init_draft(
             "extraction's")  # fmt: skip
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         differs(key, bool(config.get(key, False)), bool(getattr(p, key)), f"set train.{key}")
-    if not config.get("norm_before_residual", True):
-        problems.append(
-            "norm_before_residual is false (the feature enters the residual stream unnormed), "
-            "which this workflow's draft does not train"
-        )
+    residual = bool(config.get("norm_before_residual", True))  # the speculators format's default
+    differs(
+        "norm_before_residual", residual, p.norm_before_residual, "set train.norm_before_residual"
+    )
     theirs = ((config.get("speculators_config") or {}).get("verifier") or {}).get("architectures")
     if theirs and vcfg.get("architectures") and theirs != vcfg["architectures"]:
         problems.append(

@@ -70,6 +70,7 @@ DOCS = {
     "*.max_model_len_tokens": "docs/gpu-and-slurm.md#lengths",
     "train.report_to": "docs/training.md#training-curves",
     "train.wandb_*": "docs/training.md#training-curves",
+    "train.norm_before_residual": "docs/gpu-and-slurm.md#serving-on-sglang-and-tensorrt-llm",
     "train.num_nodes": "docs/training.md#several-nodes",
     "*.num_nodes": "docs/gpu-and-slurm.md#a-verifier-larger-than-one-node",
     **{

@@ -135,6 +135,12 @@ class Evaluate(StageDir):
         return self.dir / "plots"
 
 
+class Export(StageDir):
+    def draft(self, engine: str) -> Path:
+        """The draft in ``engine``'s layout (lib/draft/export.py)."""
+        return self.dir / engine
+
+
 @dataclass(frozen=True)
 class Layout:
     """Every path under ``root`` (a results_dir)."""
@@ -179,3 +185,4 @@ class Layout:
     extract = property(lambda self: Extract(self.root / "extract"))
     train = property(lambda self: Train(self.root / "train"))
     evaluate = property(lambda self: Evaluate(self.root / "evaluate"))
+    export = property(lambda self: Export(self.root / "export"))

@@ -9,6 +9,7 @@ does not.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,6 +139,14 @@ class EvaluateIO(StageIO):
     plot_dir: Path = Field(description="Output: directory of plots (PNG).")
 
 
+class ExportIO(StageIO):
+    draft: Path = Field(description="Input: draft checkpoint directory (speculators format).")
+    engine: Literal["sglang", "trtllm"] = Field(description="The engine the export is for.")
+    export: Path = Field(
+        description="Output: the draft in the engine's layout, with its serve.sh (directory)."
+    )
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -198,5 +207,6 @@ STAGES: dict[str, Stage] = {
         ("extract_stream", ExtractParams, ExtractStreamIO, VLLM, "extract"),
         ("train", TrainParams, TrainIO, TORCH),
         ("evaluate", EvaluateParams, EvaluateIO, VLLM),
+        ("export", None, ExportIO, TORCH),
     )
 }

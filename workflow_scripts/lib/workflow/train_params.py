@@ -125,6 +125,12 @@ class TrainParams(StageParams):
         "top-1 (over its whole vocabulary) is in the draft vocabulary, which the draft can "
         "propose (as EAGLE and SpecForge train). Validation and its acceptance count all.",
     )
+    norm_before_residual: bool = Field(
+        True,
+        description="The draft layer's residual: the normed feature (true, the speculators "
+        "format's default) or the feature before hidden_norm (false, the one convention SGLang "
+        "and TensorRT-LLM serve); vLLM serves both. Checkpoint key norm_before_residual.",
+    )
     norm_before_fc: bool = Field(
         False,
         description="EAGLE-3.1: an RMSNorm over the concatenated auxiliary states before fc "
