@@ -69,7 +69,7 @@ from workflow_scripts.lib.regeneration.answers import (  # noqa: E402
 )
 from workflow_scripts.lib.verifier import engine, preflight  # noqa: E402
 from workflow_scripts.lib.verifier.files import verifier_config, weight_files  # noqa: E402
-from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered, load_config  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import RegenerateParams  # noqa: E402
 from workflow_scripts.lib.workflow.registry import RegenerateIO  # noqa: E402
 
@@ -112,21 +112,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` layered over ``base`` as Snakemake layers config files (dicts merged by key)."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def load_params(args: argparse.Namespace) -> RegenerateParams:
     raw = yaml.safe_load(args.config.read_text()) or {}
     if args.configfile is not None:
-        raw = merged(raw, yaml.safe_load(args.configfile.read_text()) or {})
+        raw = layered(raw, yaml.safe_load(args.configfile.read_text()) or {})
     section = dict(raw.get("regenerate") or {})
     for item in args.set:
         key, _, value = item.partition("=")

@@ -1,11 +1,14 @@
 """Serving speed as the evaluate stage measures it, twice in a row in each warm engine, and the
 serving cost of other drafts beside the build's.
 
-    python benchmarks/bench_serving.py RESULTS_DIR [--concurrency 1 4 16 64]
-        [--draft NAME=DIR ...] [--json OUT.json]
+    python benchmarks/bench_serving.py [--configfile FILE ...] [--directory DIR]
+        [--concurrency 1 4 16 64] [--draft NAME=DIR ...] [--json OUT.json]
 
-RESULTS_DIR is a built results_dir (its verifier, draft and evaluation prompts, the settings of
-its config.resolved.yaml). Each engine (the verifier alone, with the build's draft, with n-gram,
+It measures a build made in DIR (the working directory, by default this one) with the config
+files given as to Snakemake (DIR/config.yaml, then each --configfile over it): the build's
+verifier, draft and evaluation prompts, with evaluate's settings from those files, the engine's
+(use_gpus, tensor_parallel_size, memory, ...) included; files whose evaluate settings are not the
+build's (its results_dir/config.resolved.yaml) are refused. Each engine (the verifier alone, with the build's draft, with n-gram,
 and with every --draft) is run by the stage's own code (lib/evaluation: one process per engine,
 its acceptance pass, then the speed passes), with the speed passes at every concurrency served
 twice in a row. Printed per engine and concurrency: output tokens/s of the first and the second
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -31,9 +35,41 @@ sys.path.insert(0, str(ROOT))
 from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 
+def build_config(directory: Path, configfiles: list[Path]):
+    """The config the build in ``directory`` was made with, from ``directory``/config.yaml and
+    ``configfiles`` over it, and the build's Layout; SystemExit where there is no build or the
+    files' evaluate settings are not the ones the build recorded."""
+    from workflow_scripts.lib.workflow.config import ConfigError, load_config_files
+
+    try:
+        cfg = load_config_files([directory / "config.yaml", *configfiles])
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    layout = Layout(directory / cfg.results_dir)
+    if not layout.resolved_config.is_file() or not layout.train.draft.is_dir():
+        raise SystemExit(
+            f"no build at {layout.root} (its draft and config.resolved.yaml): build it with "
+            f"`snakemake --cores all evaluate` and these config files, or name the config files "
+            f"it was built with (--configfile) and its working directory (--directory)"
+        )
+    built = yaml.safe_load(layout.resolved_config.read_text())["evaluate"]
+    given = cfg.evaluate.result_settings()
+    differ = sorted(
+        k for k in given.keys() | built.keys() if k != "dtype" and given.get(k) != built.get(k)
+    )
+    if differ:
+        raise SystemExit(
+            f"{layout.resolved_config}: the build's evaluate settings differ from these config "
+            f"files' ({', '.join(f'evaluate.{k}' for k in differ)}): name the config files the "
+            f"build was made with (--configfile)"
+        )
+    return cfg, layout
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("results_dir", type=Path)
+    ap.add_argument("--configfile", type=Path, nargs="+", default=[], help="as to Snakemake")
+    ap.add_argument("--directory", type=Path, default=Path("."), help="the build's working dir")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--draft", action="append", default=[], help="NAME=DIR: another draft")
     ap.add_argument("--json", type=Path, help="also write every figure here")
@@ -42,14 +78,18 @@ def main() -> None:
     from workflow_scripts.lib.chat.template import load_template
     from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets, run_in_child
     from workflow_scripts.lib.evaluation.run import engine_jobs
-    from workflow_scripts.lib.workflow.definitions import EvaluateParams
     from workflow_scripts.lib.workflow.registry import EvaluateIO
 
-    resolved = yaml.safe_load((a.results_dir / "config.resolved.yaml").read_text())
-    p = EvaluateParams.model_validate({**resolved["evaluate"], "concurrency": a.concurrency})
-    layout = Layout(a.results_dir)
+    configfiles = [f.resolve() for f in a.configfile]  # as given, from here
+    drafts = [
+        (name, str(Path(path).resolve())) for name, path in (d.split("=", 1) for d in a.draft)
+    ]
+    out = a.json.resolve() if a.json else None
+    os.chdir(a.directory)  # the build's relative paths (results_dir, prompt files) are from there
+    cfg, layout = build_config(Path("."), configfiles)
+    p = cfg.evaluate.model_copy(update={"concurrency": a.concurrency})
     io = EvaluateIO(
-        verifier=Path(resolved.get("verifier") or layout.demo.verifier),
+        verifier=Path(cfg.verifier) if cfg.verifier else layout.demo.verifier,
         draft=layout.train.draft,
         metrics=layout.train.metrics,
         results=layout.evaluate.results,
@@ -58,8 +98,7 @@ def main() -> None:
     template = load_template(io.verifier, p.chat_template)
     prompts = load_prompt_sets(p.eval_prompts.root, template, p.max_prompts, p.max_model_len_tokens)
     jobs = engine_jobs(io, p, prompts, [("greedy", 0.0)])
-    for spec in a.draft:
-        name, path = spec.split("=", 1)
+    for name, path in drafts:
         job = json.loads(json.dumps(jobs["eagle3"]))
         job["engine"]["speculative_config"]["model"] = path
         jobs[name] = job
@@ -104,8 +143,8 @@ def main() -> None:
                     f"{row['acceptance_length'] or 1:9.3f} {row['drafted_per_s']:10.0f} "
                     f"{row['tpot_ms']:8.2f}"
                 )
-    if a.json:
-        a.json.write_text(json.dumps({"runs": runs, "figures": figures}, indent=1))
+    if out:
+        out.write_text(json.dumps({"runs": runs, "figures": figures}, indent=1))
 
 
 if __name__ == "__main__":

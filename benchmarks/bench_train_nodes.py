@@ -35,21 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 from workflow_scripts.lib.training.processes import THREAD_VARIABLES  # noqa: E402
 from workflow_scripts.lib.workflow import cli  # noqa: E402
-from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered, load_config  # noqa: E402
 from workflow_scripts.lib.workflow.layout import METRICS, Layout  # noqa: E402
 
 WARMUP_STEPS = 3  # left out of tokens/s: the first steps also build caches
 
 
-def merged(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merged(base[key], value) if isinstance(base.get(key), dict) else value
-    return out
-
-
 def stage_args(work: Path, config: dict, train: dict, out: Path) -> list[str]:
-    cfg = load_config(merged(config, {"train": train}))
+    cfg = load_config(layered(config, {"train": train}))
     results = work / cfg.results_dir
     verifier = Path(cfg.verifier) if cfg.verifier else results / "demo" / "verifier"
     files = dict(
@@ -116,7 +109,7 @@ def main() -> None:
     a = ap.parse_args()
     config: dict = yaml.safe_load((a.workdir / "config.yaml").read_text())
     for path in a.configfile:
-        config = merged(config, yaml.safe_load((a.workdir / path).read_text()) or {})
+        config = layered(config, yaml.safe_load((a.workdir / path).read_text()) or {})
     train = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
     layouts = ("1 node x 2", "2 nodes x 1")
     results: dict[str, list[dict]] = {layout: [] for layout in layouts}

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from workflow_scripts.lib.workflow.config import layered
 from workflow_scripts.lib.workflow.layout import METRICS, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,25 +30,17 @@ TRAIN = {
 }
 
 
-def merged(base: dict, over: dict) -> dict:
-    """``over`` merged into ``base`` section by section, as Snakemake merges --configfile."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merged(base[key], value) if isinstance(base.get(key), dict) else value
-    return out
-
-
 def config_with(work: Path, **train) -> dict:
     """The workdir's test config with TRAIN and ``train`` over its train section."""
     config = yaml.safe_load((work / "test_config.yaml").read_text()) or {}
-    return merged(config, {"train": {**TRAIN, **train}})
+    return layered(config, {"train": {**TRAIN, **train}})
 
 
 def train_params(work: Path, **train):
     from workflow_scripts.lib.workflow.config import load_config
 
     base = yaml.safe_load((work / "config.yaml").read_text())
-    return load_config(merged(base, config_with(work, **train))).train
+    return load_config(layered(base, config_with(work, **train))).train
 
 
 def stage_args(work: Path, params, out: Path) -> list[str]:

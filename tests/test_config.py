@@ -16,7 +16,14 @@ import yaml
 from snakemake.utils import validate
 
 from workflow_scripts.lib.workflow import cli
-from workflow_scripts.lib.workflow.config import ConfigError, json_schema, load_config
+from workflow_scripts.lib.workflow.config import (
+    ConfigError,
+    json_schema,
+    layered,
+    load_config,
+    load_config_files,
+)
+from workflow_scripts.lib.workflow.config import main as config_main
 from workflow_scripts.lib.workflow.registry import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,3 +233,25 @@ def test_readme_lists_the_execution_settings_of_each_stage():
     }
     expected = {s: set(STAGES[s].params.EXECUTION) for s in STAGES if STAGES[s].config_key == s}
     assert listed == {s: names for s, names in expected.items() if names}
+
+
+def test_config_files_layer_as_snakemake_layers_them(tmp_path, capsys):
+    """Each config file over the ones before it, mappings merged key by key; the validator takes
+    the files as `snakemake --configfile` does and names the file set with a bad key."""
+    assert layered({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 3}, "d": [2], "e": 4}) == {
+        "a": {"b": 3, "c": 2},
+        "d": [2],
+        "e": 4,
+    }
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train:\n  epochs: 7\nevaluate:\n  concurrency: [2]\n")
+    cfg = load_config_files([ROOT / "config.yaml", mine])
+    shipped = load_config(yaml.safe_load((ROOT / "config.yaml").read_text()))
+    assert (cfg.train.epochs, cfg.evaluate.concurrency) == (7, [2])
+    assert cfg.train.learning_rate == shipped.train.learning_rate != 7
+    assert config_main([str(ROOT / "config.yaml"), str(mine)]) == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epoch: 7\n")
+    assert config_main([str(ROOT / "config.yaml"), str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "train.epoch" in err and "epochs" in err, err

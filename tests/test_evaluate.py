@@ -187,3 +187,33 @@ def test_speedups_per_set_and_concurrency_and_over_all_sets():
     assert rows["all", 1]["eagle3"] == pytest.approx((400 / 20) / (400 / 20))  # not (2 + 2/3) / 2
     assert rows["all", 8]["eagle3"] == pytest.approx((400 / 3) / (400 / 4))
     assert rows["all", 8]["ngram"] == pytest.approx((400 / 6) / (400 / 4))
+
+
+def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path):
+    """benchmarks/bench_serving.py serves with the config files the build was made with, their
+    execution settings (the engine's memory, GPUs) included, which the build's record leaves out;
+    files whose evaluate settings are not the recorded ones, or no build, are refused."""
+    import shutil
+
+    import yaml
+
+    from benchmarks.bench_serving import build_config
+    from workflow_scripts.lib.dryrun import resolved_config
+    from workflow_scripts.lib.workflow.config import load_config_files
+    from workflow_scripts.lib.workflow.layout import Layout
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "config.yaml", tmp_path / "config.yaml")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("evaluate:\n  gpu_memory_utilization: 0.5\n  max_new_tokens: 9\n")
+    with pytest.raises(SystemExit, match="no build at"):
+        build_config(tmp_path, [mine])
+    cfg = load_config_files([tmp_path / "config.yaml", mine])
+    layout = Layout(tmp_path / cfg.results_dir)
+    layout.train.draft.mkdir(parents=True)
+    layout.resolved_config.write_text(yaml.safe_dump(resolved_config(cfg, {})))
+    got, got_layout = build_config(tmp_path, [mine])
+    assert got.evaluate.gpu_memory_utilization == 0.5 and got.evaluate.max_new_tokens == 9
+    assert got_layout.root == layout.root
+    with pytest.raises(SystemExit, match=r"\(evaluate\.max_new_tokens\)"):
+        build_config(tmp_path, [])  # config.yaml alone: another max_new_tokens

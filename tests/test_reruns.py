@@ -33,7 +33,7 @@ from tests.workflow_runner import (
 )
 from workflow_scripts.lib.common import sha256_file
 from workflow_scripts.lib.workflow.code_inputs import PLUMBING, closure, module_file
-from workflow_scripts.lib.workflow.config import ConfigError, load_config
+from workflow_scripts.lib.workflow.config import ConfigError, layered, load_config
 from workflow_scripts.lib.workflow.params_base import EngineSettings
 from workflow_scripts.lib.workflow.registry import STAGES
 
@@ -111,21 +111,16 @@ def candidates(annotation, current) -> list:
     return []
 
 
-def merged(a: dict, b: dict) -> dict:
-    """``b`` over ``a``, section by section (as Snakemake merges --configfile over config.yaml)."""
-    return {**a, **{k: {**a.get(k, {}), **v} if isinstance(v, dict) else v for k, v in b.items()}}
-
-
 def other_valid_config(work: Path, stage: str, name: str, base: dict) -> dict | None:
     """``base`` (the test's config file) with ``stage.name`` set to another value that makes a
     valid config with the workflow's config.yaml under it, or None."""
     params = STAGES[stage].params
     shipped = yaml.safe_load((work / "config.yaml").read_text())
-    current = getattr(load_config(merged(shipped, base)), stage).model_dump(mode="json")[name]
+    current = getattr(load_config(layered(shipped, base)), stage).model_dump(mode="json")[name]
     for value in candidates(params.model_fields[name].annotation, current):
-        changed = merged(base, {stage: {name: value, **TOGETHER.get((stage, name), {})}})
+        changed = layered(base, {stage: {name: value, **TOGETHER.get((stage, name), {})}})
         try:
-            load_config(merged(shipped, changed))
+            load_config(layered(shipped, changed))
         except ConfigError:
             continue
         if value != current:
@@ -436,7 +431,7 @@ def test_a_changed_job_count_recomputes_nothing(built):
     trained = False
     try:
         for num_jobs in (2, 1):
-            changed = merged(config, {stage: {"num_jobs": num_jobs} for stage in JOB_LOGS})
+            changed = layered(config, {stage: {"num_jobs": num_jobs} for stage in JOB_LOGS})
             write_config(work, changed)
             proc = snakemake(work, "--cores", "2", "draft_ckpt")  # evaluation would run again
             ran = set(RULES_RUN.findall(proc.stdout + proc.stderr))

@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from tests import factories
-from tests.multinode import merged
 from tests.workflow_runner import copy_workflow, dry_run_in_process, jobs_in
 from workflow_scripts.lib.hidden_states import estimate as estimate_module
 from workflow_scripts.lib.hidden_states.disk_plan import STORAGE_CHOICES, disk_plan
@@ -31,7 +30,7 @@ from workflow_scripts.lib.hidden_states.estimate import (
 from workflow_scripts.lib.hidden_states.extraction import Plan, ShardPlan, fingerprint, shard_key
 from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, shard_name
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout
-from workflow_scripts.lib.workflow.config import load_config
+from workflow_scripts.lib.workflow.config import layered, load_config
 from workflow_scripts.lib.workflow.definitions import PrepareParams
 from workflow_scripts.lib.workflow.layout import Layout
 
@@ -205,10 +204,10 @@ def test_the_estimate_names_tokens_bytes_and_free_space(tmp_path, monkeypatch):
     lines, warnings = report(paths, config, ["hidden_states"])
     assert len(warnings) == 1 and "set extract.disk_budget (e.g. '90%'" in warnings[0]
     assert "(extract.storage_dtype float8_e4m3fn: " in warnings[0]
-    fp8 = merged(config, {"extract": {"storage_dtype": "float8_e4m3fn"}})
+    fp8 = layered(config, {"extract": {"storage_dtype": "float8_e4m3fn"}})
     lines, warnings = report(paths, fp8, ["hidden_states"])
     assert len(warnings) == 1 and "extract.storage_dtype" not in warnings[0]
-    budget = merged(config, {"extract": {"disk_budget": "2TB"}})
+    budget = layered(config, {"extract": {"disk_budget": "2TB"}})
     lines, warnings = report(paths, budget, ["draft_ckpt"])
     assert warnings == [] and "extract.disk_budget '2TB': training keeps at most that" in lines[3]
 
@@ -244,7 +243,7 @@ def test_the_dry_run_estimate_is_what_the_extraction_wrote(mechanics_build, monk
     manifest = json.loads((Layout(work / "results").extract.manifest).read_text())
     stats = json.loads((Layout(work / "results").prepare.stats).read_text())
     verifier = json.loads((work / "results" / "demo" / "verifier" / "config.json").read_text())
-    cfg = load_config(merged(yaml.safe_load((work / "config.yaml").read_text()), config))
+    cfg = load_config(layered(yaml.safe_load((work / "config.yaml").read_text()), config))
     counts = Counts(stats["rows_out"], stats["tokens"], stats["loss_masked_tokens"])
     assert counts.tokens == manifest["num_tokens"] and counts.samples == manifest["num_samples"]
     assert counts.loss_tokens == manifest["disk"]["final_rows"]  # no sample starts in the loss
@@ -274,7 +273,7 @@ def test_the_dry_run_estimate_is_what_the_extraction_wrote(mechanics_build, monk
     shown = "\n".join(lines[:3])  # the free space may change between the two
     assert shown in out and "  regenerate (done): " in out
 
-    changed = merged(config, {"prepare": {"max_seq_len_tokens": 300}})
+    changed = layered(config, {"prepare": {"max_seq_len_tokens": 300}})
     error, out = dry_run_in_process(work, "draft_ckpt", changed)
     assert error is None, out[-3000:]
     assert "prepare ran with another max_seq_len_tokens than the config gives" in out

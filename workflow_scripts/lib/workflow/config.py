@@ -1,8 +1,8 @@
 """config.yaml: its typed model, validation with helpful errors, and its JSON schema.
 
 ``python -m workflow_scripts.lib.workflow.config --schema`` prints the schema (also kept as
-``config.schema.json``); ``python -m workflow_scripts.lib.workflow.config config.yaml`` validates a
-file.
+``config.schema.json``); ``python -m workflow_scripts.lib.workflow.config config.yaml mine.yaml``
+validates config files layered as ``snakemake --configfile config.yaml mine.yaml`` layers them.
 """
 
 from __future__ import annotations
@@ -352,6 +352,28 @@ def load_config(raw: dict[str, Any], source: str = "config") -> WorkflowConfig:
         ) from None
 
 
+def layered(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` layered over ``base`` as Snakemake layers config files (``--configfile`` over
+    config.yaml, and each over the ones before it): mappings merged key by key, any other value
+    replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = layered(out[key], value) if both else value
+    return out
+
+
+def load_config_files(paths: list[Path]) -> WorkflowConfig:
+    """The config a run with these config files gets (each layered over the ones before it),
+    validated; a ConfigError naming the files and every bad key."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    for path in paths:
+        raw = layered(raw, yaml.safe_load(Path(path).read_text()) or {})
+    return load_config(raw, source=" + ".join(map(str, paths)))
+
+
 def _items(schema: dict[str, Any], definition: dict[str, Any]) -> dict[str, Any] | None:
     """The properties of the sources a list of sources takes, or None."""
     refs = [a["$ref"] for a in definition.get("anyOf", []) if "$ref" in a]
@@ -392,22 +414,22 @@ def json_schema() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", nargs="?", type=Path, help="config file to validate")
+    parser.add_argument(
+        "config", nargs="*", type=Path, help="config files to validate, each over the ones before"
+    )
     parser.add_argument("--schema", action="store_true", help="print the JSON schema")
     args = parser.parse_args(argv)
     if args.schema:
         print(json.dumps(json_schema(), indent=2))
         return 0
-    if args.config is None:
-        parser.error("give a config file or --schema")
-    import yaml
-
+    if not args.config:
+        parser.error("give config files or --schema")
     try:
-        load_config(yaml.safe_load(args.config.read_text()), source=str(args.config))
+        load_config_files(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    print(f"{args.config}: valid")
+    print(f"{' + '.join(map(str, args.config))}: valid")
     return 0
 
 
