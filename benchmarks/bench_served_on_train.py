@@ -3,12 +3,16 @@ served on held-out prompts and what training simulated: where served and simulat
 part, this tells serving (the same low figure on training prompts) from generalization (a high
 one there, a low one on prompts of other tasks).
 
-    python benchmarks/bench_served_on_train.py RESULTS_DIR [--prompts 24] [--max-new-tokens 256]
+    python benchmarks/bench_served_on_train.py [--configfile FILE ...] [--directory DIR]
+        [--prompts 24] [--max-new-tokens 256]
 
-RESULTS_DIR is a built results_dir (its draft, verifier and chat data): the prompts are the first
-user turn (with the system turn before it) of every n-th conversation of the chat data training
-took (the regenerated one where regeneration ran), greedy, served by an engine made as the evaluate
-stage makes it from the run's resolved config (k = evaluate.num_speculative_tokens). Most of them were trained on (the held-out split is train.validation_fraction).
+It serves a build made in DIR (by default this directory) with the config files given as to
+Snakemake (benchmarks/bench_serving.py: build_config): its draft, verifier and chat data. The
+prompts are the first user turn (with the system turn before it) of every n-th conversation of the
+chat data training took (the regenerated one where regeneration ran), greedy, served by an engine
+made as the evaluate stage makes it from those files' evaluate settings (k =
+evaluate.num_speculative_tokens). Most of them were trained on (the held-out split is
+train.validation_fraction).
 """
 
 from __future__ import annotations
@@ -19,11 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
+from benchmarks.bench_serving import build_config  # noqa: E402
 
 
 def first_turns(chat_data: Path, count: int) -> list[list[dict]]:
@@ -41,7 +43,8 @@ def first_turns(chat_data: Path, count: int) -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("results_dir", type=Path)
+    ap.add_argument("--configfile", type=Path, nargs="+", default=[], help="as to Snakemake")
+    ap.add_argument("--directory", type=Path, default=Path("."), help="the build's working dir")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     a = ap.parse_args()
@@ -52,13 +55,11 @@ def main() -> None:
     from workflow_scripts.lib.evaluation.acceptance import _counter
     from workflow_scripts.lib.verifier import engine, preflight
     from workflow_scripts.lib.verifier.files import verifier_config
-    from workflow_scripts.lib.workflow.definitions import EvaluateParams
 
-    resolved = yaml.safe_load((a.results_dir / "config.resolved.yaml").read_text())
-    p = EvaluateParams.model_validate(resolved["evaluate"])  # the settings evaluate ran with
-    verifier = Path(resolved.get("verifier") or a.results_dir / "demo" / "verifier")
-    regenerated = a.results_dir / "regenerate" / "chat_data.jsonl"
-    chat_data = regenerated if regenerated.exists() else a.results_dir / "data" / "chat_data.jsonl"
+    cfg, layout = build_config(a.directory, a.configfile)
+    p = cfg.evaluate  # the settings evaluate ran with
+    verifier = Path(cfg.verifier) if cfg.verifier else layout.demo.verifier
+    chat_data = layout.regenerate.chat_data if cfg.regenerate.enabled else layout.data.chat_data
     tokenizer = AutoTokenizer.from_pretrained(verifier)
     prompts = []
     for messages in first_turns(chat_data, a.prompts):
@@ -73,7 +74,7 @@ def main() -> None:
     backend = {key: v for key, v in kwargs.items() if key == "attention_backend"}
     kwargs["speculative_config"] = {
         "method": "eagle3",
-        "model": str(a.results_dir / "train" / "draft"),
+        "model": str(layout.train.draft),
         "num_speculative_tokens": p.num_speculative_tokens,
         **backend,
     }
@@ -88,7 +89,7 @@ def main() -> None:
         _counter(after, f"vllm:spec_decode_num_{n}") - _counter(before, f"vllm:spec_decode_num_{n}")
         for n in ("drafts", "accepted_tokens")
     )
-    evaluated = json.loads((Layout(a.results_dir).evaluate.results).read_text())["summary"]
+    evaluated = json.loads(layout.evaluate.results.read_text())["summary"]
     print(json.dumps({
         "training_prompts": len(prompts),
         "served_on_training_prompts": round(1 + accepted / drafts, 3),

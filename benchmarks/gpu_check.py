@@ -743,18 +743,14 @@ class Workflow:
         """The stream plan built (demo, data, prepare, vocab map: no model loaded for the plan),
         and a budget one shard above the least, so that some shards are kept and the rest
         recomputed each epoch."""
-        import yaml
-
         from workflow_scripts.lib.training import disk_budget
-        from workflow_scripts.lib.workflow.config import load_config
+        from workflow_scripts.lib.workflow.config import load_config_files
 
         plan_path = Layout(self.results).extract.stream_plan
         if not plan_path.exists():
             target = str(plan_path.relative_to(self.dir))
             self.snakemake(config, gpus, "vocab_map", target, title="the stream plan")
-        base = yaml.safe_load((ROOT / "config.yaml").read_text())
-        over = yaml.safe_load(config.read_text())
-        cfg = load_config({**base, **{k: {**base.get(k, {}), **v} for k, v in over.items()}})
+        cfg = load_config_files([ROOT / "config.yaml", config])
         plan = disk_budget.load_stream_plan(plan_path)
         stream = self.results / "extract" / "stream"
         bp, _, _, _ = disk_budget.budget_plan(plan, cfg.train, 10**15, 1, stream)

@@ -26,7 +26,7 @@ from tests import factories  # noqa: E402
 from workflow_scripts.lib.hidden_states.records import StreamPlan  # noqa: E402
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout  # noqa: E402
 from workflow_scripts.lib.training import disk_budget  # noqa: E402
-from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered, load_config  # noqa: E402
 
 
 def synthetic_plan(args, cfg) -> StreamPlan:
@@ -87,9 +87,10 @@ def main() -> None:
     ap.add_argument("--budget", required=True)
     ap.add_argument("--window", type=int, default=4)
     args = ap.parse_args()
-    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
-    for key, value in yaml.safe_load(args.configfile.read_text()).items():
-        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    raw = layered(
+        yaml.safe_load((ROOT / "config.yaml").read_text()),
+        yaml.safe_load(args.configfile.read_text()),
+    )
     raw["extract"]["disk_budget"] = args.budget
     raw["train"].setdefault("shuffle_window_shards", args.window)
     raw["verifier"] = None
