@@ -4,19 +4,19 @@ serving cost of other drafts beside the build's.
     python benchmarks/bench_serving.py [--configfile FILE ...] [--directory DIR]
         [--concurrency 1 4 16 64] [--draft NAME=DIR ...] [--json OUT.json]
 
-It measures a build made in DIR (the working directory, by default this one) with the config
-files given as to Snakemake (DIR/config.yaml, then each --configfile over it): the build's
-verifier, draft and evaluation prompts, with evaluate's settings from those files, the engine's
-(use_gpus, tensor_parallel_size, memory, ...) included; files whose evaluate settings are not the
-build's (its results_dir/config.resolved.yaml) are refused. Each engine (the verifier alone, with the build's draft, with n-gram,
-and with every --draft) is run by the stage's own code (lib/evaluation: one process per engine,
-its acceptance pass, then the speed passes), with the speed passes at every concurrency served
-twice in a row. Printed per engine and concurrency: output tokens/s of the first and the second
-pass and their ratio (the second is the same engine already warm: how much of the first is
-start-up or noise), the speedup over the verifier alone, the acceptance length, the draft tokens
-proposed per second and vLLM's median time per output token; and each engine's start and
-acceptance pass, the warm-up the passes leave out. CPU figures show the method's behaviour, not
-a GPU's.
+It measures a build made in DIR (the working directory, by default this one) with the config files
+given as to Snakemake (DIR/config.yaml, then each --configfile over it): the build's verifier,
+draft and evaluation prompts, with evaluate's settings from those files, the engine's (use_gpus,
+tensor_parallel_size, memory, ...) included; files whose evaluate settings are not the build's (its
+results_dir/config.resolved.yaml) are refused. Each engine (the verifier alone, with the build's
+draft, with n-gram, and with every --draft) is run by the stage's own code (lib/evaluation: one
+process per engine, its acceptance pass, then the speed passes), with the speed passes at every
+concurrency served twice in a row. Printed per engine and concurrency: output tokens/s of the first
+and the second pass and their ratio (the second is the same engine already warm: how much of the
+first is start-up or noise), the speedup over the verifier alone, the acceptance length, the draft
+tokens proposed per second and vLLM's median time per output token; and each engine's start and
+acceptance pass, the warm-up the passes leave out. CPU figures show the method's behaviour, not a
+GPU's.
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ config.json, the embedding, final norm and lm_head. speculators has no CPU path:
 a launcher here that puts its trainer on the CPU and makes torch.accelerator.synchronize a
 no-op (runtime patches only), with eager loss, SDPA draft attention and no loader workers.
 
-Ours trains the recipe of config.yaml (then each --configfile over it: the build's), theirs its
-own defaults; both a 1-layer draft with 3 TTT steps, the same draft vocabulary and --threads
-compute threads; ours takes --micro-batch-budget-tokens a step (padding included), theirs one
-packed sequence of --total-seq-len real tokens (default: ours' mean real tokens a step). Each round is
-a fresh run of each, ours first in odd rounds and theirs first in even ones, so that load from
-other processes falls on both alike; each run's first --warmup steps are not counted. Tokens
-are counted as speculators counts them (a sample of n tokens trains n - 1 positions), over each
-step's wall time, its data read included.
+Ours trains the recipe of config.yaml (then each --configfile over it: the build's), theirs its own
+defaults; both a 1-layer draft with 3 TTT steps, the same draft vocabulary and --threads compute
+threads; ours takes --micro-batch-budget-tokens a step (padding included), theirs one packed
+sequence of --total-seq-len real tokens (default: ours' mean real tokens a step). Each round is a
+fresh run of each, ours first in odd rounds and theirs first in even ones, so that load from other
+processes falls on both alike; each run's first --warmup steps are not counted. Tokens are counted
+as speculators counts them (a sample of n tokens trains n - 1 positions), over each step's wall
+time, its data read included.
 """
 
 from __future__ import annotations
