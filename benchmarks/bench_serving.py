@@ -37,31 +37,37 @@ from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 def build_config(directory: Path, configfiles: list[Path]):
     """The config the build in ``directory`` was made with, from ``directory``/config.yaml and
-    ``configfiles`` over it, and the build's Layout; SystemExit where there is no build or the
-    files' evaluate settings are not the ones the build recorded."""
+    ``configfiles`` (as given, from the current directory) over it, and the build's Layout. Like
+    Snakemake's --directory it changes the working directory to ``directory``, so that the
+    build's relative paths (results_dir, verifier, prompt files) resolve from there. SystemExit
+    where there is no build or the files' evaluate settings are not the ones the build recorded
+    (lib/dryrun.py: recorded_settings, dtype resolved as the rules resolve it)."""
+    from workflow_scripts.lib.dryrun import recorded_settings
+    from workflow_scripts.lib.verifier.files import verifier_config
     from workflow_scripts.lib.workflow.config import ConfigError, load_config_files
 
+    configfiles = [Path(f).resolve() for f in configfiles]
+    os.chdir(directory)
     try:
-        cfg = load_config_files([directory / "config.yaml", *configfiles])
+        cfg = load_config_files([Path("config.yaml"), *configfiles])
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
-    layout = Layout(directory / cfg.results_dir)
+    layout = Layout(Path(cfg.results_dir))
     if not layout.resolved_config.is_file() or not layout.train.draft.is_dir():
         raise SystemExit(
-            f"no build at {layout.root} (its draft and config.resolved.yaml): build it with "
-            f"`snakemake --cores all evaluate` and these config files, or name the config files "
-            f"it was built with (--configfile) and its working directory (--directory)"
+            f"no build at {layout.root.resolve()} (its draft and config.resolved.yaml): build it "
+            f"with `snakemake --cores all evaluate` and these config files, or name the config "
+            f"files it was built with (--configfile) and its working directory (--directory)"
         )
     built = yaml.safe_load(layout.resolved_config.read_text())["evaluate"]
-    given = cfg.evaluate.result_settings()
-    differ = sorted(
-        k for k in given.keys() | built.keys() if k != "dtype" and given.get(k) != built.get(k)
-    )
+    verifier_cfg = verifier_config(cfg.verifier) if cfg.verifier else {}  # as rules/common.smk
+    given = json.loads(recorded_settings(cfg, "evaluate", verifier_cfg))
+    differ = sorted(k for k in given.keys() | built.keys() if given.get(k) != built.get(k))
     if differ:
         raise SystemExit(
-            f"{layout.resolved_config}: the build's evaluate settings differ from these config "
-            f"files' ({', '.join(f'evaluate.{k}' for k in differ)}): name the config files the "
-            f"build was made with (--configfile)"
+            f"{layout.resolved_config.resolve()}: the build's evaluate settings differ from these "
+            f"config files' ({', '.join(f'evaluate.{k}' for k in differ)}): name the config files "
+            f"the build was made with (--configfile)"
         )
     return cfg, layout
 
@@ -80,13 +86,11 @@ def main() -> None:
     from workflow_scripts.lib.evaluation.run import engine_jobs
     from workflow_scripts.lib.workflow.registry import EvaluateIO
 
-    configfiles = [f.resolve() for f in a.configfile]  # as given, from here
     drafts = [
         (name, str(Path(path).resolve())) for name, path in (d.split("=", 1) for d in a.draft)
     ]
     out = a.json.resolve() if a.json else None
-    os.chdir(a.directory)  # the build's relative paths (results_dir, prompt files) are from there
-    cfg, layout = build_config(Path("."), configfiles)
+    cfg, layout = build_config(a.directory, a.configfile)  # and now in a.directory
     p = cfg.evaluate.model_copy(update={"concurrency": a.concurrency})
     io = EvaluateIO(
         verifier=Path(cfg.verifier) if cfg.verifier else layout.demo.verifier,

@@ -189,10 +189,13 @@ def test_speedups_per_set_and_concurrency_and_over_all_sets():
     assert rows["all", 8]["ngram"] == pytest.approx((400 / 6) / (400 / 4))
 
 
-def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path):
+def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path, monkeypatch):
     """benchmarks/bench_serving.py serves with the config files the build was made with, their
-    execution settings (the engine's memory, GPUs) included, which the build's record leaves out;
-    files whose evaluate settings are not the recorded ones, or no build, are refused."""
+    execution settings (the engine's memory, GPUs) included, which the build's record leaves out,
+    from the build's working directory (relative paths resolve there, as with Snakemake's
+    --directory); files whose evaluate settings are not the recorded ones (the dtype an auto
+    dtype resolves to included), or no build, are refused."""
+    import json
     import shutil
 
     import yaml
@@ -203,17 +206,37 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     from workflow_scripts.lib.workflow.layout import Layout
 
     root = Path(__file__).resolve().parents[1]
-    shutil.copy(root / "config.yaml", tmp_path / "config.yaml")
-    mine = tmp_path / "mine.yaml"
-    mine.write_text("evaluate:\n  gpu_memory_utilization: 0.5\n  max_new_tokens: 9\n")
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    (work / "verifier").mkdir(parents=True)
+    elsewhere.mkdir()
+    verifier_cfg = {"hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 32}
+    verifier_cfg["torch_dtype"] = "float16"
+    (work / "verifier" / "config.json").write_text(json.dumps(verifier_cfg))
+    shutil.copy(root / "config.yaml", work / "config.yaml")
+    (elsewhere / "mine.yaml").write_text(
+        "verifier: verifier\n"
+        "evaluate:\n  use_gpus: true\n  gpu_memory_utilization: 0.5\n  max_new_tokens: 9\n"
+    )
+    mine = Path("mine.yaml")  # relative to where the benchmark is started, as to Snakemake
+    monkeypatch.chdir(elsewhere)
     with pytest.raises(SystemExit, match="no build at"):
-        build_config(tmp_path, [mine])
-    cfg = load_config_files([tmp_path / "config.yaml", mine])
-    layout = Layout(tmp_path / cfg.results_dir)
+        build_config(work, [mine])
+    monkeypatch.chdir(work)
+    cfg = load_config_files([Path("config.yaml"), elsewhere / "mine.yaml"])
+    layout = Layout(Path(cfg.results_dir))
     layout.train.draft.mkdir(parents=True)
-    layout.resolved_config.write_text(yaml.safe_dump(resolved_config(cfg, {})))
-    got, got_layout = build_config(tmp_path, [mine])
+    layout.resolved_config.write_text(yaml.safe_dump(resolved_config(cfg, verifier_cfg)))
+    assert yaml.safe_load(layout.resolved_config.read_text())["evaluate"]["dtype"] == "float16"
+
+    monkeypatch.chdir(elsewhere)
+    got, got_layout = build_config(work, [mine])
+    assert Path.cwd() == work  # the build's relative verifier and results_dir resolve from here
     assert got.evaluate.gpu_memory_utilization == 0.5 and got.evaluate.max_new_tokens == 9
-    assert got_layout.root == layout.root
-    with pytest.raises(SystemExit, match=r"\(evaluate\.max_new_tokens\)"):
-        build_config(tmp_path, [])  # config.yaml alone: another max_new_tokens
+    assert got_layout.root.resolve() == (work / cfg.results_dir).resolve()
+    monkeypatch.chdir(elsewhere)
+    (elsewhere / "cpu.yaml").write_text("evaluate:\n  use_gpus: false\n")
+    with pytest.raises(SystemExit, match=r"\(evaluate\.dtype\)"):
+        build_config(work, [mine, Path("cpu.yaml")])  # auto resolves to float32 on the CPU
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(SystemExit, match=r"\(evaluate\.dtype, evaluate\.max_new_tokens\)"):
+        build_config(work, [])  # config.yaml alone: the CPU's dtype, another max_new_tokens
