@@ -7,9 +7,12 @@ load from other processes falls on all alike; the headline compares each variant
 
     .venv/bin/python benchmarks/bench_recipe_cost.py                       # bench_quality/'s build
     .venv/bin/python benchmarks/bench_recipe_cost.py --only layers_2 topk_loss --rounds 6
+    .venv/bin/python benchmarks/bench_recipe_cost.py --workdir bench_real \\
+        --configfile config.real.yaml --only eagle3.1_norms real_speculators_equal_steps
 
 Needs a quality build (bench_quality.py's first run, or `snakemake evaluate --configfile
-config.quality.yaml`): its manifest, vocab map and verifier.
+config.quality.yaml`): its manifest, vocab map and verifier; or, with --workdir and --configfile,
+another benchmark's build (the real model's: `bench_quality.py --bench real`'s workdir).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from workflow_scripts.lib.training.loader import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
 from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
@@ -45,10 +49,11 @@ def train_only(name: str) -> bool:
 
 
 def quality_train_settings(configfile: Path) -> dict:
-    settings = {}
-    for path in (ROOT / "config.yaml", configfile):
-        settings.update(yaml.safe_load(path.read_text()).get("train") or {})
-    return settings
+    """The train settings of config.yaml with ``configfile`` over it, as Snakemake layers them."""
+    raw = layered(
+        yaml.safe_load((ROOT / "config.yaml").read_text()), yaml.safe_load(configfile.read_text())
+    )
+    return raw.get("train") or {}
 
 
 def main(argv=None) -> int:
