@@ -8,9 +8,11 @@ the daemons are stopped by pid when the session ends. Needs root: skipped for a 
 outside CI, an error in CI.
 
 The workflow runs through `snakemake --profile P draft_ckpt`, P being profiles/slurm with
-tests/slurm/profile-overrides.yaml merged over it, on a copy of the session's mechanics build
-(conftest.py) with extraction split over two jobs of new shards: the GPU rules (extraction,
-training) and CPU rules (the vocab map, forced, and the merge) each run as SLURM jobs. The checks
+tests/slurm/profile-overrides.yaml merged over it (Snakemake's own command line, its SLURM
+plugin checking the jobs' status every 2 s: tests/slurm/poll_often.py), on a copy of the
+session's mechanics build (conftest.py) with extraction split over two jobs of new shards: the
+GPU rules (extraction, training) and CPU rules (the vocab map, forced, and the merge) each run as
+SLURM jobs. The checks
 read SLURM's own records (`scontrol show job`, polled while the run goes on, since a finished job
 no longer shows its GPU indices) and hold them against what each job logged.
 
@@ -368,9 +370,9 @@ def _snakemake(
     workdir: Path, profile: Path, log_path: Path, *args: str, target: str = "draft_ckpt"
 ) -> subprocess.Popen:
     """`snakemake TARGET --profile P` in ``workdir``, in a session of its own, writing to
-    ``log_path``."""
+    ``log_path`` (through tests/slurm/poll_often.py: the jobs' status checked every 2 s)."""
     cmd = [
-        str(Path(sys.executable).parent / "snakemake"), target, "--profile", str(profile),
+        sys.executable, str(SLURM_DIR / "poll_often.py"), target, "--profile", str(profile),
         "--configfile", "test_config.yaml", *args,
     ]  # fmt: skip
     log = open(log_path, "w")
