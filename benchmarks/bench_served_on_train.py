@@ -58,7 +58,7 @@ def main() -> None:
 
     cfg, layout = build_config(a.directory, a.configfile)
     p = cfg.evaluate  # the settings evaluate ran with
-    verifier = Path(cfg.verifier) if cfg.verifier else layout.demo.verifier
+    verifier = layout.verifier(cfg.verifier)
     chat_data = layout.regenerate.chat_data if cfg.regenerate.enabled else layout.data.chat_data
     tokenizer = AutoTokenizer.from_pretrained(verifier)
     prompts = []

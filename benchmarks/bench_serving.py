@@ -93,7 +93,7 @@ def main() -> None:
     cfg, layout = build_config(a.directory, a.configfile)  # and now in a.directory
     p = cfg.evaluate.model_copy(update={"concurrency": a.concurrency})
     io = EvaluateIO(
-        verifier=Path(cfg.verifier) if cfg.verifier else layout.demo.verifier,
+        verifier=layout.verifier(cfg.verifier),
         draft=layout.train.draft,
         metrics=layout.train.metrics,
         results=layout.evaluate.results,

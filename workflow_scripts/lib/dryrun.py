@@ -159,7 +159,7 @@ def check_run(
     else:
         warnings += checks.warnings_for(cfg)
     run = Run(
-        verifier_dir=Path(cfg.verifier) if cfg.verifier else layout.demo.verifier,
+        verifier_dir=layout.verifier(cfg.verifier),
         verifier_cfg=verifier_cfg,
         data_files=[],
         eval_files=[],

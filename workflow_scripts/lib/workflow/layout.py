@@ -177,6 +177,11 @@ class Layout:
     def resolved_config(self) -> Path:
         return self.root / "config.resolved.yaml"
 
+    def verifier(self, configured: str | Path | None) -> Path:
+        """The verifier a run serves: ``configured`` (the config's ``verifier``), else the
+        embedded default's, which the demo stage builds here."""
+        return Path(configured) if configured else self.demo.verifier
+
     demo = property(lambda self: Demo(self.root / "demo"))
     data = property(lambda self: Data(self.root / "data"))
     regenerate = property(lambda self: Regenerate(self.root / "regenerate"))
