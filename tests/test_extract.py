@@ -1,8 +1,10 @@
 """Hidden-state extraction: real vLLM (CPU build) on a small random Llama, through the script's
 own entry point; the transformers reference; resume after a kill; data parallel; preflight.
 
-Engine starts are the cost here (~30 s each): one job killed and resumed, two data-parallel jobs
-run by Snakemake, and the transformers reference share one verifier and one data file.
+Engine starts are the cost here (~30 s each): one job killed and resumed, tensor parallel workers
+and the transformers reference share one verifier and one data file. Two data-parallel jobs under
+Snakemake, held against one job's states: tests/test_slurm.py (each a SLURM job) and
+tests/test_reruns.py (the job count changed, nothing recomputed).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from tests import factories
 from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
-from tests.workflow_runner import copy_workflow, planned_in_process, snakemake
 from workflow_scripts.lib.common import UserError, sha256_file
 from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, load_manifest
 from workflow_scripts.lib.hidden_states.manifest import merge_parts as merge
@@ -32,7 +33,7 @@ from workflow_scripts.lib.hidden_states.shards import ShardReader, read_position
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import ExtractParams
 from workflow_scripts.stages import extract
-from workflow_scripts.lib.workflow.layout import MANIFEST, STATS
+from workflow_scripts.lib.workflow.layout import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -327,49 +328,6 @@ def test_tensor_parallel_extraction_equals_one_worker(resumed, world, tmp_path):
     assert len(requests) == len(set(requests)) == resumed["manifest"].num_samples
     assert sum(int(n) for _, _, n in lines) == resumed["manifest"].num_tokens
     assert "2 local" not in proc.stderr  # no NUMA binding failure
-
-
-@pytest.mark.engine
-@pytest.mark.workflow
-def test_two_jobs_under_snakemake_match_one_job(resumed, world, tmp_path):
-    """extract.num_jobs: 2 through the real rules: each job does its own shards, and the merged
-    manifest holds the same shards (same fingerprints and samples, same states) as one job."""
-    root, verifier, tokenized = world
-    config = {
-        "verifier": str(verifier),
-        "chat_data": str(tokenized),  # not read: the tokenized data is placed below
-        "eval_prompts": str(tokenized),
-        "extract": {**TEST_PARAMS, "num_jobs": 2},
-        "evaluate": {"max_model_len_tokens": MAX_LEN},  # the verifier's positions: 512
-    }
-    work = copy_workflow(tmp_path / "wf", config)
-    for stage, name, data in (  # the stages before extraction, as if done (in their order)
-        ("data", "chat_data.jsonl", tokenized.read_bytes()),
-        ("prepare", "tokenized_data.jsonl", tokenized.read_bytes()),
-    ):
-        (work / "results" / stage).mkdir(parents=True)
-        (work / "results" / stage / name).write_bytes(data)
-        (work / "results" / stage / STATS).write_text("{}")
-    assert planned_in_process(work, "hidden_states", config) == {"extract": 2, "extract_merge": 1}
-    snakemake(work, "hidden_states", "--cores", "2", "--set-threads", "extract=1")
-
-    out = work / "results" / "extract"
-    parts = [json.loads((out / "parts" / f"part_{j}.json").read_text()) for j in (0, 1)]
-    assert [e["index"] for e in parts[0]["shards"]] == [0, 2, 4, 6]
-    assert [e["index"] for e in parts[1]["shards"]] == [1, 3, 5, 7]
-    two = load_manifest(out / MANIFEST, verify_checksums=True)
-    one = resumed["manifest"]
-    for a, b in zip(one.shards, two.shards, strict=True):
-        for key in ("index", "fingerprint", "sample_start", "num_samples", "num_tokens"):
-            assert getattr(a, key) == getattr(b, key)
-    ta, tb = tensors(one), tensors(two)
-    for name in ta:
-        assert (ta[name].double() - tb[name].double()).abs().max().item() <= 1e-5, name
-    assert two.skipped_too_long == [21]
-    log = (work / "results" / "logs" / "extract" / "job_1.log").read_text()
-    assert "samples/s" in log and "tokens/s" in log and "ETA" in log
-    # nothing changed: nothing to do
-    assert planned_in_process(work, "hidden_states", config) == {}
 
 
 # --------------------------------------------------------------------------- preflight

@@ -40,6 +40,8 @@ import yaml
 
 from tests import multinode, workflow_runner
 from workflow_scripts.lib.common import sha256_file
+from workflow_scripts.lib.hidden_states.records import ExtractPart
+from workflow_scripts.lib.workflow.layout import Layout
 
 pytestmark = pytest.mark.workflow
 
@@ -288,6 +290,16 @@ def test_workflow_on_slurm_runs_each_gpu_rule_as_its_own_job(
     for job in range(2):  # new shards: each extraction job loaded the model and computed some
         text = (workdir / "results" / "logs" / "extract" / f"job_{job}.log").read_text()
         assert "nothing to compute" not in text and "0 finished already" in text, text[-3000:]
+        assert "samples/s" in text and "tokens/s" in text and "ETA" in text
+    # the jobs took every other shard, and together wrote what the build's one job did
+    extracted = Layout(workdir / "results").extract
+    parts = [ExtractPart.read(extracted.part(job)) for job in range(2)]
+    count = sum(len(part.shards) for part in parts)
+    for job, part in enumerate(parts):
+        assert [e.index for e in part.shards] == list(range(job, count, 2))
+    ours, one_job = _states(extracted.shards), _states(built / "results" / "extract" / "shards")
+    for key in CONCATENATED:
+        assert (ours[key].double() - one_job[key].double()).abs().max().item() <= 1e-5, key
 
     # what each job logged about its devices
     logged = _launcher_lines(workdir / "results" / "logs")
