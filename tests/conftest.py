@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import lanes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every process of the session waits at OpenMP's barriers asleep, not spinning: a session runs
@@ -336,10 +338,12 @@ TIERS = {
 def pytest_configure(config):
     for name, meaning in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    config.pluginmanager.register(lanes, "lanes")  # the tests that need no build, beside
 
 
 # The order of the modules: those that need no session build first (they run while the builds
-# are made), then by the build they need, in the order the builds are made: the demo's, the full
+# are made; in a second pytest process when the session holds both kinds: tests/lanes.py), then
+# by the build they need, in the order the builds are made: the demo's, the full
 # build's, the mechanics build's. Within a rank the modules keep their order, and a module's tests
 # theirs (tests/test_reruns.py's last test leaves the mechanics build's evaluation stale, and
 # runs after the other modules that read that build, as in alphabetical order).
@@ -361,4 +365,6 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
         module = item.nodeid.split("::")[0]
         rank[module] = max([rank.get(module, 0), *(RANKS.get(f, 0) for f in fixtures)])
+    for item in items:
+        item.stash[lanes.RANK] = rank[item.nodeid.split("::")[0]]
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: the order within

@@ -75,8 +75,9 @@ def test_parts_without_time_are_reported_in_the_one_file(gpu_check, tmp_path):
     assert report["summary"] == {"not_run": len(gpu_check.PARTS)}
 
 
-# The lent machine's check, small, on this CPU: its limit when it is run this way.
-LENT_SMALL_LIMIT_S = 300
+# The lent machine's check, small, on this CPU: its limit when it is run this way (about 90 s
+# alone on 2 cores; the suite runs it beside its builds and its other lane, tests/lanes.py).
+LENT_SMALL_LIMIT_S = 600
 
 
 @pytest.mark.slow

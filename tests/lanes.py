@@ -1,0 +1,108 @@
+"""Two lanes: the tests that need no session build run in a second pytest process, beside this one.
+
+A session's builds (conftest.py Builds) take one core while they are made, and most of the
+tests after them run one process at a time on one core (a CPU engine computes on all cores but
+one, Snakemake plans on one, a SLURM job is waited for): on two cores one core was idle for
+about half of a full session. So, when a session holds tests of both kinds, those that need no
+build (conftest.py ranks their modules 0) go to a second pytest process, started as soon as the
+tests are collected, while this one runs the others beside it and the builds. At the end this
+one waits for it, prints its summary, and fails when it failed. A session of one kind (the unit
+tier, one module, the GPU tier) runs in one process as before, and so does the second process
+itself. Its output: ``lane.log`` beside its base temporary directory (the path is printed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+LANE_ENV = "EAGLE3_TEST_LANE"  # set in the second process: it splits nothing itself
+RANK = pytest.StashKey[int]()  # conftest.py: the rank of an item's module (0: needs no build)
+LANE = pytest.StashKey["Lane"]()
+SUMMARY_LINES = 60
+FAILURE_LINES = 600
+HEADINGS = re.compile(r"^=+ (FAILURES|ERRORS|short test summary info) =+$")
+
+
+class Lane:
+    """The second pytest process, running ``nodeids``."""
+
+    def __init__(self, config: pytest.Config, nodeids: list[str]):
+        given = config.option.basetemp
+        base = Path(f"{given}-lane") if given else Path(tempfile.mkdtemp(prefix="pytest-lane-"))
+        base.mkdir(parents=True, exist_ok=True)
+        self.log = base.with_name(base.name + ".log") if given else base / "lane.log"
+        args = base.with_name(base.name + ".args") if given else base / "lane.args"
+        args.write_text("".join(f"{n}\n" for n in nodeids))
+        cmd = [sys.executable, "-m", "pytest", f"@{args}", "-q", "-rfE", "-p", "no:cacheprovider"]
+        cmd += ["--basetemp", str(base / "tmp")]
+        if config.option.durations is not None:
+            cmd.append(f"--durations={config.option.durations}")
+        if config.option.maxfail:
+            cmd.append(f"--maxfail={config.option.maxfail}")
+        self.count = len(nodeids)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=config.rootpath,
+            env={**os.environ, LANE_ENV: "1"},
+            stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # stop() ends its whole process group
+        )
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait()
+
+    def summary(self) -> str:
+        """Its failures and errors with their tracebacks (up to FAILURE_LINES), then its short
+        summary; or the end of its output."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        marks = [i for i, line in enumerate(lines) if HEADINGS.search(line)]
+        tail = lines[marks[0] :] if marks else lines[-SUMMARY_LINES:]
+        if len(tail) > FAILURE_LINES:
+            tail = [*tail[: FAILURE_LINES - SUMMARY_LINES], "[...]", *tail[-SUMMARY_LINES:]]
+        return "\n".join(tail)
+
+
+@pytest.hookimpl(trylast=True)  # after the -m and -k selections: the session's own items
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(LANE_ENV) or config.option.collectonly:
+        return
+    lane = [item for item in items if item.stash.get(RANK, 0) == 0]
+    if not lane or len(lane) == len(items):
+        return
+    config.stash[LANE] = Lane(config, [item.nodeid for item in lane])
+    items[:] = [item for item in items if item.stash.get(RANK, 0) > 0]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    lane = session.config.stash.get(LANE, None)
+    if lane is None:
+        return
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        lane.stop()
+    if lane.wait() != 0 and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lane = config.stash.get(LANE, None)
+    if lane is None:
+        return
+    terminalreporter.section(
+        f"the {lane.count} tests that need no session build, run beside these "
+        f"(exit status {lane.proc.returncode}; all of it: {lane.log})"
+    )
+    terminalreporter.write_line(lane.summary())
