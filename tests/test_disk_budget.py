@@ -6,7 +6,6 @@ refusal."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal

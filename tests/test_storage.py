@@ -4,7 +4,6 @@ training loader; and real extractions (vLLM, transformers) stored in each dtype.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path

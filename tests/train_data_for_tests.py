@@ -23,7 +23,6 @@ from tests import factories
 from workflow_scripts.lib.draft.vocab_map import build_maps, select_vocab
 from workflow_scripts.lib.hidden_states import manifest, shards
 from workflow_scripts.lib.hidden_states.shard_writer import write_samples
-from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import TrainParams
 from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, Layout
@@ -128,7 +127,6 @@ def write_extraction(
     """Shards and a manifest as the extraction stage writes them (states stored as
     ``storage``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
     paths = []
     for s0 in range(0, len(samples), shard_size):
         states = []
