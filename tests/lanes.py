@@ -8,7 +8,8 @@ build (conftest.py ranks their modules 0) go to a second pytest process, started
 tests are collected, while this one runs the others beside it and the builds. At the end this
 one waits for it, prints its summary, and fails when it failed. A session of one kind (the unit
 tier, one module, the GPU tier) runs in one process as before, and so does the second process
-itself, at the lowest priority: the builds and this process are the session's longest path. Its output: ``lane.log`` beside its base temporary directory (the path is printed).
+itself, at the lowest priority: the builds and this process are the session's longest path. Its
+output: ``lane.log`` beside its base temporary directory (the path is printed).
 """
 
 from __future__ import annotations
@@ -61,15 +62,16 @@ class Lane:
         if config.option.maxfail:
             cmd.append(f"--maxfail={config.option.maxfail}")
         self.count = len(nodeids)
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=config.rootpath,
-            env={**os.environ, LANE_ENV: "1"},
-            stdout=open(self.log, "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # stop() ends its whole process group
-            preexec_fn=lowest_priority,
-        )
+        with open(self.log, "w") as log:  # the process keeps its own copy of the file
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=config.rootpath,
+                env={**os.environ, LANE_ENV: "1"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # stop() ends its whole process group
+                preexec_fn=lowest_priority,
+            )
 
     def wait(self) -> int:
         return self.proc.wait()
@@ -95,10 +97,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get(LANE_ENV) or config.option.collectonly:
         return
     lane = [item for item in items if item.stash.get(RANK, 0) == 0]
-    if not lane or len(lane) == len(items):
+    rest = [item for item in items if item.stash.get(RANK, 0) > 0]
+    if not lane or not rest:
         return
     config.stash[LANE] = Lane(config, [item.nodeid for item in lane])
-    items[:] = [item for item in items if item.stash.get(RANK, 0) > 0]
+    items[:] = rest
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -12,9 +12,9 @@ tests/slurm/profile-overrides.yaml merged over it (Snakemake's own command line,
 plugin checking the jobs' status every 2 s: tests/slurm/poll_often.py), on a copy of the
 session's mechanics build (conftest.py) with extraction split over two jobs of new shards: the
 GPU rules (extraction, training) and CPU rules (the vocab map, forced, and the merge) each run as
-SLURM jobs. The checks
-read SLURM's own records (`scontrol show job`, polled while the run goes on, since a finished job
-no longer shows its GPU indices) and hold them against what each job logged.
+SLURM jobs. The checks read SLURM's own records (`scontrol show job`, polled while the run goes
+on, since a finished job no longer shows its GPU indices) and hold them against what each job
+logged.
 
 The cluster is started once per session and stopped when the session ends: while it runs,
 `scontrol` answers at once (Snakemake's SLURM plugin asks it for its settings whenever Snakemake
