@@ -9,7 +9,8 @@ tests are collected, while this one runs the others beside it and the builds. At
 one waits for it, prints its summary, and fails when it failed (the unit tier splits too: its
 modules that need a build hold unit tests). A session of one kind (one module, the GPU tier)
 runs in one process as before, and so does the second process itself, at the lowest priority:
-the builds and this process are the session's longest path. Its output: ``lane.log`` beside its base temporary directory (the path is printed).
+the builds and this process are the session's longest path. Its output: ``lane.log`` beside its
+base temporary directory (the path is printed).
 """
 
 from __future__ import annotations
