@@ -9,12 +9,12 @@ outside CI, an error in CI.
 
 The workflow runs through `snakemake --profile P draft_ckpt`, P being profiles/slurm with
 tests/slurm/profile-overrides.yaml merged over it (Snakemake's own command line, its SLURM
-plugin checking the jobs' status every 2 s: tests/slurm/poll_often.py), on a copy of the
-session's mechanics build (conftest.py) with extraction split over two jobs of new shards: the
-GPU rules (extraction, training) and CPU rules (the vocab map, forced, and the merge) each run as
-SLURM jobs. The checks read SLURM's own records (`scontrol show job`, polled while the run goes
-on, since a finished job no longer shows its GPU indices) and hold them against what each job
-logged.
+plugin checking the jobs' status every 2 s and submitting them without its 5-s pause:
+tests/slurm/poll_often.py), on a copy of the session's mechanics build (conftest.py) with
+extraction split over two jobs of new shards: the GPU rules (extraction, training) and CPU
+rules (the vocab map, forced, and the merge) each run as SLURM jobs. The checks read SLURM's own
+records (`scontrol show job`, polled while the run goes on, since a finished job no longer shows
+its GPU indices) and hold them against what each job logged.
 
 The cluster is started once per session and stopped when the session ends: while it runs,
 `scontrol` answers at once (Snakemake's SLURM plugin asks it for its settings whenever Snakemake
@@ -382,7 +382,8 @@ def _snakemake(
     workdir: Path, profile: Path, log_path: Path, *args: str, target: str = "draft_ckpt"
 ) -> subprocess.Popen:
     """`snakemake TARGET --profile P` in ``workdir``, in a session of its own, writing to
-    ``log_path`` (through tests/slurm/poll_often.py: the jobs' status checked every 2 s)."""
+    ``log_path`` (through tests/slurm/poll_often.py: the jobs' status checked every 2 s, no
+    pause before each submission)."""
     cmd = [
         sys.executable, str(SLURM_DIR / "poll_often.py"), target, "--profile", str(profile),
         "--configfile", "test_config.yaml", *args,
