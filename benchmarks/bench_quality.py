@@ -12,7 +12,8 @@ recipe as a paired difference over the same prompts with a bootstrap interval.
 
 Runs share one Snakemake working directory (--workdir), one after the other, as a user would
 change the config: the workflow reruns exactly what a run changes (a train setting: train and
-evaluate), and reuses the rest (the verifier, the regenerated answers, the shards). With
+evaluate), and reuses the rest (the verifier, the regenerated answers, the shards); a variant of
+the chat data itself (the corpus's size, CORPUS_SECTIONS) builds it in <workdir>.<variant>. With
 --lanes N, N runs go at once, each with its share of --cores, in N working directories: the
 first, then N - 1 copies of it (<workdir>.lane1, ...) made once its first run has built the
 stages they share. Each run's evaluation and training metrics are kept under
@@ -66,6 +67,11 @@ RUN_STAGES = (
     "evaluate",
 )  # fmt: skip
 BUILT = {"verifier": "demo/verifier/model.safetensors", "chat_data": "data/chat_data.jsonl"}
+# A variant with settings of these sections changes the chat data every other run computes from
+# (the corpus's size): it runs in a working directory of its own, <workdir>.<variant>, built from
+# scratch, and is held to the shared build's verifier and evaluation prompts only (its chat data
+# is its own by design; the demo's held-out prompts do not depend on the corpus's size).
+CORPUS_SECTIONS = ("demo", "data", "regenerate")
 RESAMPLES = 2000
 
 # The speculators 0.9 EAGLE-3 defaults, as settings of this workflow: Muon on the weight matrices
@@ -232,6 +238,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "train.sliding_window_tokens: 512 (the draft attends to the 512 latest tokens)",
         {"train": {"sliding_window_tokens": 512}},
     ),
+    "real_corpus_4000": (
+        "demo.num_conversations: 4000 (four times the corpus, the first 1,000 among them: 4x the "
+        "steps at 2 epochs, near real_epochs_10's 5x over 1,000)",
+        {"demo": {"num_conversations": 4000}},
+    ),
 }
 # The drafts a variant starts from (train.init_from: "source:<name>"): trained once in a run's
 # working directory with these settings (and seed 0) over the quality build, as a user would
@@ -264,7 +275,8 @@ DEFAULT = (
 )
 # the real-model benchmark's plain run: the levers the field measured on real models; the
 # variants that change prepare's or extract's output (samples cut short, auxiliary layers) last,
-# as each redoes extraction
+# as each redoes extraction, and after them the corpus four times as large (its own build: about
+# 5 hours on 2 cores, regeneration half of it)
 REAL = (
     "baseline",
     "real_speculators_equal_steps",
@@ -284,6 +296,7 @@ REAL = (
     "real_aux_deep",
     "real_aux_last",
     "real_samples_512",
+    "real_corpus_4000",
 )
 # the benchmarks: name -> (config file, where runs are kept, the variants a plain run measures)
 BENCHES = {
@@ -310,6 +323,17 @@ def build_of(results_dir: Path) -> dict[str, str]:
 
 def results_dir_of(workdir: Path, configfile: Path) -> Path:
     return workdir / yaml.safe_load(configfile.read_text()).get("results_dir", "results")
+
+
+def own_corpus(variant: str) -> bool:
+    """Whether the variant makes chat data of its own (CORPUS_SECTIONS)."""
+    return any(section in VARIANTS[variant][1] for section in CORPUS_SECTIONS)
+
+
+def held_to(variant: str, build: dict[str, str]) -> dict[str, str]:
+    """What of a build a variant's runs must share with the others': all of it, or for a variant
+    with a corpus of its own everything but the chat data."""
+    return {k: v for k, v in build.items() if k != "chat_data"} if own_corpus(variant) else build
 
 
 def code_now() -> dict[str, str]:
@@ -412,6 +436,10 @@ def run_once(
     import torch
 
     name = run_name(variant, seed)
+    shared_results = results_dir_of(workdir, configfile)
+    if own_corpus(variant):  # its own working directory: its chat data is not the others'
+        workdir = bench.parent.with_name(f"{bench.parent.name}.{variant}")
+        workdir.mkdir(exist_ok=True)
     out = bench / name
     override = bench / f"{name}.yaml"
     override.parent.mkdir(parents=True, exist_ok=True)
@@ -429,6 +457,9 @@ def run_once(
     (Layout(results_dir).evaluate.results).unlink(missing_ok=True)
     start = time.monotonic()
     snakemake_run(workdir, configfile, override, "evaluate", cores, lanes, name)
+    prompts = [Layout(d).demo.eval_prompts for d in (shared_results, results_dir)]
+    if prompts[0].read_bytes() != prompts[1].read_bytes():
+        sys.exit(f"[{name}] evaluated on other prompts than the shared build's: {prompts}")
     tmp = out.with_name(f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -552,7 +583,7 @@ def load_runs(
     """The runs kept by ``code`` and, where given, of the shared ``build`` (variant -> seed ->
     run), and the names of the others. Kept runs of different builds of the shared stages (a
     CPU of another kind, demo code that changed the verifier) are refused: their differences
-    are not the variants'."""
+    are not the variants'. A variant with a corpus of its own is held to the rest of the build."""
     done: dict[str, dict[int, dict]] = {}
     stale, builds = [], {}
     for variant in VARIANTS:
@@ -561,18 +592,21 @@ def load_runs(
             if not path.is_file():
                 continue
             run = json.loads(path.read_text())
-            if run["code"] != code or build not in (None, run["build"]):
+            shared = held_to(variant, run["build"])
+            if run["code"] != code or (build is not None and {**build, **shared} != build):
                 stale.append(run_name(variant, seed))
                 continue
-            builds.setdefault(json.dumps(run["build"]), []).append(run_name(variant, seed))
+            for item in shared.items():  # each part of the build, by the runs that share it
+                builds.setdefault(item[0], {}).setdefault(item[1], []).append(f"{variant}@{seed}")
             run["stages_s"] = run["train_evaluate_s"]
             done.setdefault(variant, {})[seed] = run
-    if len(builds) > 1:
-        sys.exit(
-            f"the runs kept in {kept} come from {len(builds)} builds of the shared stages (their "
-            f"verifiers or chat data differ: {'; '.join(', '.join(v) for v in builds.values())}), "
-            "which cannot be compared: delete the files of the runs of all but one and run again"
-        )
+    for part, runs in builds.items():
+        if len(runs) > 1:
+            sys.exit(
+                f"the runs kept in {kept} come from {len(runs)} builds of the shared stages (their "
+                f"{part} differs: {'; '.join(', '.join(v) for v in runs.values())}), which "
+                "cannot be compared: delete the files of the runs of all but one and run again"
+            )
     return done, stale
 
 

@@ -216,7 +216,18 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     assert done == {} and len(stale) == 3
 
     keep("qwen3_layer", 1, build={**build, "chat_data": "d"})  # kept from another build
-    with pytest.raises(SystemExit, match="from 2 builds .* qwen3_layer@1"):
+    with pytest.raises(SystemExit, match="from 2 builds .* chat_data .* qwen3_layer@1"):
         load_runs(tmp_path, code)
     done, stale = load_runs(tmp_path, code, build)  # held to this build: left out, run again
     assert stale == ["qwen3_layer@1"]
+    (tmp_path / "qwen3_layer@1.json").unlink()
+
+    # a corpus of its own: held to the build's verifier, not to its chat data
+    keep("real_corpus_4000", 0, build={**build, "chat_data": "own"})
+    for held_to in (None, build):
+        done, stale = load_runs(tmp_path, code, held_to)
+        assert list(done["real_corpus_4000"]) == [0] and stale == []
+    keep("real_corpus_4000", 1, build={"verifier": "w", "chat_data": "own"})
+    assert "real_corpus_4000@1" in load_runs(tmp_path, code, build)[1]
+    with pytest.raises(SystemExit, match="from 2 builds .* verifier .* real_corpus_4000@1"):
+        load_runs(tmp_path, code)
