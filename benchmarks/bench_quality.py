@@ -38,6 +38,7 @@ interval is above 0 and the difference is larger than both seed ranges.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -395,6 +396,7 @@ def snakemake_run(
 
 
 SOURCE_LOCK = threading.Lock()
+CORPUS_LOCK = threading.Lock()  # the runs of a corpus of its own: one at a time, in its directory
 
 
 def source_draft(
@@ -438,6 +440,11 @@ def run_once(
     name = run_name(variant, seed)
     shared_results = results_dir_of(workdir, configfile)
     if own_corpus(variant):  # its own working directory: its chat data is not the others'
+        if not Layout(shared_results).demo.eval_prompts.is_file():
+            sys.exit(
+                f"[{name}] builds a corpus of its own, evaluated on the shared build's prompts: "
+                "make the shared build first (--only baseline)"
+            )
         workdir = bench.parent.with_name(f"{bench.parent.name}.{variant}")
         workdir.mkdir(exist_ok=True)
     out = bench / name
@@ -525,7 +532,8 @@ def run_all(
         with lock:
             lane = free.pop()
         try:
-            return run_once(lane, bench, kept, code, configfile, *run, share, lanes)
+            with CORPUS_LOCK if own_corpus(run[0]) else contextlib.nullcontext():
+                return run_once(lane, bench, kept, code, configfile, *run, share, lanes)
         except BaseException:
             failed.set()
             raise
