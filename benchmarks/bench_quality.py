@@ -465,7 +465,7 @@ def run_once(
     start = time.monotonic()
     snakemake_run(workdir, configfile, override, "evaluate", cores, lanes, name)
     prompts = [Layout(d).demo.eval_prompts for d in (shared_results, results_dir)]
-    if prompts[0].read_bytes() != prompts[1].read_bytes():
+    if own_corpus(variant) and prompts[0].read_bytes() != prompts[1].read_bytes():
         sys.exit(f"[{name}] evaluated on other prompts than the shared build's: {prompts}")
     tmp = out.with_name(f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -604,8 +604,8 @@ def load_runs(
             if run["code"] != code or (build is not None and {**build, **shared} != build):
                 stale.append(run_name(variant, seed))
                 continue
-            for item in shared.items():  # each part of the build, by the runs that share it
-                builds.setdefault(item[0], {}).setdefault(item[1], []).append(f"{variant}@{seed}")
+            for part, sha in shared.items():  # each part of the build, by the runs sharing it
+                builds.setdefault(part, {}).setdefault(sha, []).append(run_name(variant, seed))
             run["stages_s"] = run["train_evaluate_s"]
             done.setdefault(variant, {})[seed] = run
     for part, runs in builds.items():

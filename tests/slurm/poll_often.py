@@ -14,11 +14,10 @@ import time
 
 import snakemake_executor_plugin_slurm as plugin
 from snakemake.cli import main
-from snakemake_executor_plugin_slurm import Executor
 
 POLL_S = 2
 
-_check_active_jobs = Executor.check_active_jobs
+_check_active_jobs = plugin.Executor.check_active_jobs
 
 
 async def check_active_jobs(self, active_jobs):
@@ -39,7 +38,7 @@ class NoPause:
         pass
 
 
-Executor.check_active_jobs = check_active_jobs
+plugin.Executor.check_active_jobs = check_active_jobs
 plugin.time = NoPause()
 
 if __name__ == "__main__":
