@@ -836,6 +836,10 @@ def main() -> None:
         run_all(args.workdir, args.kept, code, args.configfile, todo(done), args.cores, args.lanes)
         done = kept_runs(build)
     text = table(done, default)
+    if not done and (args.kept / "table.md").is_file():
+        print(f"No run kept in {args.kept} counts for this code: its table.md is left as it is")
+        print(text)
+        return
     for where in (bench, args.kept):  # the kept table is the repository's copy of the results
         where.mkdir(parents=True, exist_ok=True)
         (where / "table.md").write_text(text)

@@ -231,3 +231,24 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     assert "real_corpus_4000@1" in load_runs(tmp_path, code, build)[1]
     with pytest.raises(SystemExit, match="from 2 builds .* verifier .* real_corpus_4000@1"):
         load_runs(tmp_path, code)
+
+
+def test_a_table_of_stale_runs_only_leaves_the_kept_table(tmp_path):
+    """When no kept record counts for this code, --table says so and leaves the kept table.md
+    as it is (the repository's copy of the last results), rather than emptying it."""
+    import subprocess
+    import sys
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "table.md").write_text("the last results\n")
+    stale = {"variant": "baseline", "seed": 0, "code": {"train": "0" * 64}, "build": {}}
+    (kept / "baseline@0.json").write_text(json.dumps(stale))
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_quality.py", "--table", "--kept", str(kept),
+         "--workdir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "its table.md is left as it is" in proc.stdout
+    assert (kept / "table.md").read_text() == "the last results\n"
