@@ -4,6 +4,8 @@ never in training, the same bytes from run to run, errors that name the key."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,9 +238,6 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
 def test_a_table_of_stale_runs_only_leaves_the_kept_table(tmp_path):
     """When no kept record counts for this code, --table says so and leaves the kept table.md
     as it is (the repository's copy of the last results), rather than emptying it."""
-    import subprocess
-    import sys
-
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "table.md").write_text("the last results\n")
