@@ -489,6 +489,7 @@ def run_once(
         "wall_s": round(time.monotonic() - start),
         "train_evaluate_s": round(stages_s),
         "lanes": lanes,
+        "share": machine_share(cores),
     }
     kept.mkdir(parents=True, exist_ok=True)
     path = kept / f"{name}.json"
@@ -544,6 +545,20 @@ def run_all(
     with ThreadPoolExecutor(lanes) as pool:
         for run in [pool.submit(one, run) for run in todo]:
             run.result()  # the first failed run's error stops the benchmark
+
+
+def machine_share(cores: str) -> float:
+    """The part of this machine's cores a run was given (``--cores`` or its lane's share): its
+    times count that part in the table's time per run. A run on 1 of 2 cores beside another
+    takes about twice as long as alone, as does each of 2 lanes."""
+    machine = os.cpu_count() or 1
+    return round(min(1.0, (machine if cores == "all" else int(cores)) / machine), 3)
+
+
+def time_share(run: dict) -> float:
+    """The part of the machine a kept run had: its ``share``, or for records that predate it
+    1 / its lanes (a run given fewer cores than the machine's without lanes counted whole)."""
+    return run.get("share", 1 / run["lanes"])
 
 
 def stage_seconds(results_dir: Path, rule: str) -> float:
@@ -637,8 +652,8 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
     wall = stages = 0.0
     for variant, runs in done.items():
         results = [r["results"] for r in runs.values()]
-        wall += sum(r["wall_s"] / r["lanes"] for r in runs.values())
-        stages += sum(r["stages_s"] / r["lanes"] for r in runs.values())
+        wall += sum(r["wall_s"] * time_share(r) for r in runs.values())
+        stages += sum(r["stages_s"] * time_share(r) for r in runs.values())
         lengths = [r["summary"]["eagle3_mean_acceptance_length"] for r in results]
         spread = seed_range(runs)
         simulated = [r["summary"]["eagle3_simulated_acceptance_length"] or 0 for r in results]
@@ -673,8 +688,8 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
                 if todo
                 else f"the plain benchmark's {len(default)} variants x {len(SEEDS)} seeds done"
             )
-            + f" (training and evaluation: {stages / runs / 60:.0f} minutes a run; a run of N at "
-            "once counts 1/N of its time).",
+            + f" (training and evaluation: {stages / runs / 60:.0f} minutes a run; a run on a "
+            "part of the machine's cores counts that part of its time).",
         ]
         for seed, run in base.items():
             s = run["results"]["summary"]

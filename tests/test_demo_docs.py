@@ -235,6 +235,30 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
         load_runs(tmp_path, code)
 
 
+def test_a_run_on_part_of_the_cores_counts_that_part_of_its_time(monkeypatch):
+    """A run given 1 of 2 cores (beside another run, or a lane of 2) takes about twice as long as
+    alone: the table's time per run counts half of it. Records from before the share was kept
+    count 1 / their lanes."""
+    from benchmarks import bench_quality
+
+    monkeypatch.setattr(bench_quality.os, "cpu_count", lambda: 2)
+    assert [bench_quality.machine_share(c) for c in ("1", "2", "all", "4")] == [0.5, 1, 1, 1]
+    results = {
+        "summary": {"eagle3_mean_acceptance_length": 2.0, "eagle3_simulated_acceptance_length": 2,
+                    "ngram_mean_acceptance_length": 1.0, "eagle3_over_ngram": 2.0,
+                    "eagle3_mean_acceptance_length_ci95": [1, 3]},
+        "num_prompts": 1, "max_new_tokens": 8, "num_speculative_tokens": 3,
+        "runs": {"eagle3": {"acceptance_rate_per_position": [0.5],
+                            "acceptance_histograms": [[1, 1]]},
+                 "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1, 1]}}},
+    }  # fmt: skip
+    run = dict(results=results, wall_s=7200, stages_s=3600, lanes=1)
+    alone, one_core, old_lane = {**run, "share": 1.0}, {**run, "share": 0.5}, {**run, "lanes": 2}
+    # (3600 + 1800 + 1800) / 3 = 2400 s a run; (7200 + 3600 + 3600) s = 4 h in all
+    text = bench_quality.table({"baseline": {0: alone, 1: one_core}, "ttt_5": {0: old_lane}})
+    assert "3 runs, 4.0 h in all" in text and "(training and evaluation: 40 minutes a run" in text
+
+
 def test_a_table_of_stale_runs_only_leaves_the_kept_table(tmp_path):
     """When no kept record counts for this code, --table says so and leaves the kept table.md
     as it is (the repository's copy of the last results), rather than emptying it."""
