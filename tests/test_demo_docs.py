@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import ROOT
@@ -213,6 +214,11 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     # per evaluation set: its prompts' rows pooled (prompt 0: 1 + 13 accepted / 6 steps)
     assert "| variant | demo (1) | humaneval (1) |" in table(done)
     assert "| baseline | 3.167 | 3.500 |" in table(done)
+    # n-gram in tokens a verifier pass (its histograms here EAGLE-3's): prompt 0 outputs 6
+    # steps + 13 accepted + 1 = 20 tokens in 20 - 13 passes, prompt 1 6 + 15 + 1 in 22 - 15
+    assert "| n-gram, output tokens a verifier pass | 2.857 | 3.143 |" in table(done)
+    assert "n-gram drafted at 12 verify steps, EAGLE-3 at 12 (every one)" in table(done)
+    assert "gives 3.000." in table(done) and "a verifier pass 3.000 tokens, 1.000x" in table(done)
     assert "| qwen3_layer | 3.167 +0.000 [+0.000, +0.000] | 3.500 +0.000" in table(done)
     done, stale = load_runs(tmp_path, code, {**build, "verifier": "w"})  # this build's verifier
     assert done == {} and len(stale) == 3
@@ -250,13 +256,28 @@ def test_a_run_on_part_of_the_cores_counts_that_part_of_its_time(monkeypatch):
         "num_prompts": 1, "max_new_tokens": 8, "num_speculative_tokens": 3,
         "runs": {"eagle3": {"acceptance_rate_per_position": [0.5],
                             "acceptance_histograms": [[1, 1]]},
-                 "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1, 1]}}},
+                 "ngram": {"per_prompt": {"mean_acceptance_length_ci95": [1, 1]},
+                           "acceptance_histograms": [[1, 1]]}},
     }  # fmt: skip
     run = dict(results=results, wall_s=7200, stages_s=3600, lanes=1)
     alone, one_core, old_lane = {**run, "share": 1.0}, {**run, "share": 0.5}, {**run, "lanes": 2}
     # (3600 + 1800 + 1800) / 3 = 2400 s a run; (7200 + 3600 + 3600) s = 4 h in all
     text = bench_quality.table({"baseline": {0: alone, 1: one_core}, "ttt_5": {0: old_lane}})
     assert "3 runs, 4.0 h in all" in text and "(training and evaluation: 40 minutes a run" in text
+
+
+def test_tokens_a_verifier_pass_count_the_steps_n_gram_did_not_draft():
+    """vLLM's acceptance length counts only the steps that drafted; n-gram drafts only where it
+    finds a match. Tokens a forward pass of the verifier count the others too: the output is
+    EAGLE-3's steps, their accepted drafts and each prompt's prefill token."""
+    from benchmarks.bench_quality import pooled_length, tokens_per_pass
+
+    eagle3 = np.array([[2, 1, 0, 0], [1, 0, 0, 1]], dtype=float)  # 5 steps, 4 accepted
+    ngram = np.array([[0, 0, 0, 1], [0, 0, 1, 0]], dtype=float)  # 2 steps, 5 accepted
+    # output: 2 + 2 + 1 and 1 + 4 + 1 = 11 tokens; the verifier's passes: 11 - 4 and 11 - 5
+    assert tokens_per_pass(eagle3, eagle3) == pytest.approx(11 / 7)
+    assert tokens_per_pass(eagle3, ngram) == pytest.approx(11 / 6)
+    assert float(pooled_length([ngram])) == pytest.approx(3.5)  # vLLM's figure: 1 + 5 / 2
 
 
 def test_a_table_of_stale_runs_only_leaves_the_kept_table(tmp_path):
