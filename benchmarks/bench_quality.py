@@ -55,6 +55,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from workflow_scripts.lib.evaluation.acceptance import tokens_per_pass  # noqa: E402
 from workflow_scripts.lib.workflow.layout import METRICS, RESULTS, Layout  # noqa: E402
 
 KEPT = ROOT / "benchmarks" / "results" / "quality"
@@ -589,17 +590,16 @@ def pooled_length(hists: list[np.ndarray], pick: np.ndarray | slice = slice(None
     return 1 + accepted / steps
 
 
-def tokens_per_pass(eagle3: np.ndarray, run: np.ndarray) -> float:
-    """Output tokens per forward pass of the verifier for ``run`` (histograms as ``histograms``),
-    on the prompts of ``eagle3``'s histograms. vLLM's acceptance length counts only the steps
-    that drafted: n-gram proposes nothing where the text so far holds no match, and those steps
-    are plain decoding, left out of its figure. The output, the same for every run under greedy
+def per_pass(eagle3: np.ndarray, run: np.ndarray) -> float:
+    """``run``'s output tokens a verifier pass (lib/evaluation/acceptance.py tokens_per_pass)
+    on the prompts of ``eagle3``'s histograms (as ``histograms``; records from before evaluate
+    wrote the figure keep no output counts). The output, the same for every run under greedy
     decoding, is counted from EAGLE-3's histograms (it drafts at every step): its steps, the
-    drafts they accepted and each prompt's first token, from the prefill (a few tokens over the
-    true count where a request ends within a step's accepted drafts: 0.3% on the real model)."""
+    drafts they accepted and each prompt's first token, from the prefill (a few tokens over
+    vLLM's count where a request ends within a step's accepted drafts: 0.3% on the real model)."""
     weights = np.arange(eagle3.shape[1])
     output = (eagle3 @ (weights + 1)).sum() + len(eagle3)
-    return float(output / (output - (run @ weights).sum()))
+    return tokens_per_pass(float(output), float((run @ weights).sum()))
 
 
 def paired_difference(a: list[np.ndarray], b: list[np.ndarray], seed: int = 0):
@@ -710,17 +710,17 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
             f"n-gram drafted at {ngram_steps:.0f} verify steps, EAGLE-3 at {eagle3_steps:.0f} "
             "(every one): in output tokens per forward pass of the verifier, which counts the "
             "steps where n-gram found nothing to propose, n-gram gives "
-            f"{tokens_per_pass(eagle3, histograms(any_run, 'ngram')):.3f}."
+            f"{per_pass(eagle3, histograms(any_run, 'ngram')):.3f}."
         )
         for seed, run in base.items():
             s = run["results"]["summary"]
             lo, hi = s["eagle3_mean_acceptance_length_ci95"]
             eagle3, ngram = histograms(run["results"]), histograms(run["results"], "ngram")
-            per_pass = tokens_per_pass(eagle3, eagle3)
+            mine = per_pass(eagle3, eagle3)
             lines.append(
                 f"baseline@{seed}: {s['eagle3_mean_acceptance_length']:.3f} [95% CI {lo:.3f}, "
                 f"{hi:.3f}], {s['eagle3_over_ngram']:.3f}x n-gram; a verifier pass "
-                f"{per_pass:.3f} tokens, {per_pass / tokens_per_pass(eagle3, ngram):.3f}x n-gram's"
+                f"{mine:.3f} tokens, {mine / per_pass(eagle3, ngram):.3f}x n-gram's"
             )
     return "\n".join(lines + set_table(done) + context_table(done)) + "\n"
 
@@ -761,7 +761,7 @@ def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
             cells.append(cell)
         lines.append(f"| {variant} | {' | '.join(cells)} |")
     if base:  # n-gram in tokens a verifier pass, on each set's output as the baseline drafted it
-        cells = [f"{tokens_per_pass(base[0][pick], ngram[pick]):.3f}" for pick in picks]
+        cells = [f"{per_pass(base[0][pick], ngram[pick]):.3f}" for pick in picks]
         lines.append(f"| n-gram, output tokens a verifier pass | {' | '.join(cells)} |")
     return lines
 

@@ -270,13 +270,13 @@ def test_tokens_a_verifier_pass_count_the_steps_n_gram_did_not_draft():
     """vLLM's acceptance length counts only the steps that drafted; n-gram drafts only where it
     finds a match. Tokens a forward pass of the verifier count the others too: the output is
     EAGLE-3's steps, their accepted drafts and each prompt's prefill token."""
-    from benchmarks.bench_quality import pooled_length, tokens_per_pass
+    from benchmarks.bench_quality import per_pass, pooled_length
 
     eagle3 = np.array([[2, 1, 0, 0], [1, 0, 0, 1]], dtype=float)  # 5 steps, 4 accepted
     ngram = np.array([[0, 0, 0, 1], [0, 0, 1, 0]], dtype=float)  # 2 steps, 5 accepted
     # output: 2 + 2 + 1 and 1 + 4 + 1 = 11 tokens; the verifier's passes: 11 - 4 and 11 - 5
-    assert tokens_per_pass(eagle3, eagle3) == pytest.approx(11 / 7)
-    assert tokens_per_pass(eagle3, ngram) == pytest.approx(11 / 6)
+    assert per_pass(eagle3, eagle3) == pytest.approx(11 / 7)
+    assert per_pass(eagle3, ngram) == pytest.approx(11 / 6)
     assert float(pooled_length([ngram])) == pytest.approx(3.5)  # vLLM's figure: 1 + 5 / 2
 
 

@@ -151,13 +151,41 @@ def test_acceptance_by_context_per_set_and_bucket():
             "acceptance_histograms_by_context": short + long,
         }
     }
-    sets = per_set(prompts, runs, edges)
+    sets = per_set(prompts, runs, edges, {"eagle3": [12, 4]})
     a, b = (sets[s]["eagle3"]["by_context"] for s in "ab")
+    # output tokens a verifier pass: 12 tokens, 9 of them accepted drafts; 4 tokens, 1 accepted
+    assert sets["a"]["eagle3"]["tokens_per_verifier_pass"] == pytest.approx(12 / 3)
+    assert sets["b"]["eagle3"]["tokens_per_verifier_pass"] == pytest.approx(4 / 3)
     assert [x["context_tokens"] for x in a] == [[0, 16], [16, 64], [64, 2048]]
     assert [x["num_steps"] for x in a] == [3, 0, 0] and a[0]["mean_acceptance_length"] == 4
     assert [x["num_steps"] for x in b] == [0, 3, 0]
     assert b[1]["mean_acceptance_length"] == pytest.approx(1 + 1 / 3)
     assert b[0]["num_prompts"] == 0 and "mean_acceptance_length" not in b[0]
+
+
+def test_tokens_a_verifier_pass_count_the_steps_that_did_not_draft():
+    """vLLM's acceptance length counts the steps that drafted (1 + accepted / drafts); n-gram
+    drafts only where the text so far holds a match. Output tokens a verifier pass count every
+    pass that emits tokens: each emits the verifier's own token and the drafts it accepted. On
+    the same output of 20 tokens: a draft drafting at each of its 7 steps after the prefill and
+    accepting 12 (8 passes), against n-gram drafting at 4 of its 11 and accepting 8 (12)."""
+    from workflow_scripts.lib.evaluation.acceptance import per_set, tokens_per_pass
+
+    assert tokens_per_pass(20, 12) == pytest.approx(20 / 8)  # 1 + 12 / 8 = 2.5 in vLLM's terms
+    assert tokens_per_pass(20, 8) == pytest.approx(20 / 12)  # 1 + 8 / 4 = 3.0 in vLLM's terms
+    assert tokens_per_pass(0, 0) is None
+    prompts = [{"set": "a", "later_turns": []}]
+    runs = {
+        "eagle3": {"num_drafts": 7, "acceptance_histograms": [[1, 2, 2, 2]],
+                   "acceptance_histograms_by_context": [[[1, 2, 2, 2]]]},
+        "ngram": {"num_drafts": 4, "acceptance_histograms": [[0, 1, 2, 1]],
+                  "acceptance_histograms_by_context": [[[0, 1, 2, 1]]]},
+    }  # fmt: skip
+    entry = per_set(prompts, runs, [2048], {"eagle3": [20], "ngram": [20]})["a"]
+    assert entry["eagle3"]["mean_acceptance_length"] == pytest.approx(1 + 12 / 7)
+    assert entry["ngram"]["mean_acceptance_length"] == pytest.approx(1 + 8 / 4)
+    assert entry["eagle3_over_ngram"] == pytest.approx((19 / 7) / 3)  # n-gram ahead by it
+    assert entry["eagle3_over_ngram_per_pass"] == pytest.approx((20 / 8) / (20 / 12))  # EAGLE-3
 
 
 def test_speedups_per_set_and_concurrency_and_over_all_sets():

@@ -366,10 +366,29 @@ def test_evaluation_reports_each_set_and_all_together(mechanics_build):
         assert entry["eagle3_over_ngram"] == pytest.approx(
             eagle["mean_acceptance_length"] / entry["ngram"]["mean_acceptance_length"]
         )
+        # output tokens a verifier pass: the set's output over its passes (output less the
+        # accepted drafts), the same output for both under greedy decoding
+        output = sum(p["generated_tokens"] for p in results["prompts"] if p["set"] == name)
+        for run in ("eagle3", "ngram"):
+            hists = [results["runs"][run]["acceptance_histograms"][i] for i, p in
+                     enumerate(results["prompts"]) if p["set"] == name]  # fmt: skip
+            accepted = sum(j * n for h in hists if h for j, n in enumerate(h))
+            assert entry[run]["tokens_per_verifier_pass"] == pytest.approx(
+                output / (output - accepted)
+            ), (name, run)
+        assert eagle["tokens_per_verifier_pass"] >= 1
+        assert entry["eagle3_over_ngram_per_pass"] == pytest.approx(
+            eagle["tokens_per_verifier_pass"] / entry["ngram"]["tokens_per_verifier_pass"]
+        )
     # all together: vLLM's counters pool every prompt of both sets
     k = len(pooled) - 1
     overall = 1 + sum(pooled[i + 1 :].sum() for i in range(k)) / pooled.sum()
     assert results["runs"]["eagle3"]["mean_acceptance_length"] == pytest.approx(overall)
+    for run in ("eagle3", "ngram"):  # per pass, from vLLM's counters and the outputs
+        r = results["runs"][run]
+        per_pass = r["output_tokens"] / (r["output_tokens"] - r["num_accepted_tokens"])
+        assert r["tokens_per_verifier_pass"] == pytest.approx(per_pass)
+        assert results["summary"][f"{run}_tokens_per_verifier_pass"] == pytest.approx(per_pass)
     # the speed passes (concurrency [1], each timed once): per set, first turns only, each set's
     # own max_new_tokens; the speedups per set, then over all three
     for run in ("baseline", "eagle3", "ngram"):

@@ -58,10 +58,19 @@ def plot(results: dict[str, Any], metrics_path: Path, plot_dir: Path) -> None:
     fig.savefig(plot_dir / "acceptance_per_position.png", dpi=120)
     plt.close(fig)
 
+    # vLLM's acceptance length counts the steps that drafted; n-gram drafts only where it finds
+    # a match, so beside it the output tokens over all the verifier's passes
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(runs)
-    ax.bar(names, [runs[n]["mean_acceptance_length"] for n in names], color="tab:blue")
-    ax.set_ylabel("mean acceptance length")
+    for i, (key, label) in enumerate(
+        (("mean_acceptance_length", "acceptance length (steps that drafted)"),
+         ("tokens_per_verifier_pass", "output tokens a verifier pass"))
+    ):  # fmt: skip
+        values = [runs[n].get(key) or 0 for n in names]
+        ax.bar([j + (i - 0.5) * 0.4 for j in range(len(names))], values, width=0.4, label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("tokens a step")
+    ax.legend(fontsize=8)
     ax.set_title(
         f"k = {results['num_speculative_tokens']} (max {results['num_speculative_tokens'] + 1})"
     )

@@ -37,9 +37,11 @@ class ContextBucket(Record):
 
 
 class RunAcceptance(Acceptance):
-    """A speculating run's acceptance on a set of prompts, overall and by context length."""
+    """A speculating run's acceptance on a set of prompts, overall and by context length, and
+    its output tokens a verifier pass (lib/evaluation/acceptance.py tokens_per_pass)."""
 
     by_context: list[ContextBucket]
+    tokens_per_verifier_pass: float | None = None
 
 
 class SpeedPass(Record):
@@ -90,6 +92,8 @@ class EngineRun(Record):
     turns_served: int
     later_turns_too_long: int
     mean_acceptance_length: float | None
+    # output tokens over the verifier's passes, the steps that did not draft counted too
+    tokens_per_verifier_pass: float | None = None
     acceptance_rate_per_position: list[float]
     acceptance_histograms: list[list[int] | None]
     acceptance_histograms_by_context: list[list[list[int] | None]]
@@ -108,6 +112,7 @@ class SetResults(Record):
     num_prompts: int
     num_turns: int
     eagle3_over_ngram: float | None
+    eagle3_over_ngram_per_pass: float | None = None  # in output tokens a verifier pass
 
 
 class Simulated(Record):
@@ -130,6 +135,11 @@ class Summary(Record):
     eagle3_simulated_acceptance_length: float | None
     ngram_mean_acceptance_length: float | None
     eagle3_over_ngram: float | None
+    # output tokens a verifier pass: n-gram's plain steps, where it found nothing to draft,
+    # counted (vLLM's acceptance length counts only the steps that drafted)
+    eagle3_tokens_per_verifier_pass: float | None = None
+    ngram_tokens_per_verifier_pass: float | None = None
+    eagle3_over_ngram_per_pass: float | None = None
     # over all sets at the lowest concurrency of the speed passes (None without them)
     speedup_concurrency: int | None
     eagle3_speedup: float | None

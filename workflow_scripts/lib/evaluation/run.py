@@ -176,7 +176,7 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
             {"set": q["set"], "id": q["id"], "generated_tokens": len(out)}
             for q, out in zip(prompts, outputs["baseline"])
         ],
-        sets=per_set(prompts, results, edges),
+        sets=per_set(prompts, results, edges, {k: [len(o) for o in v] for k, v in outputs.items()}),
         context_edges_tokens=edges,
         num_speculative_tokens=k,
         max_new_tokens=p.max_new_tokens,
@@ -193,6 +193,13 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
             "eagle3_over_ngram": (
                 eagle["mean_acceptance_length"] / ngram["mean_acceptance_length"]
                 if eagle["mean_acceptance_length"] and ngram["mean_acceptance_length"]
+                else None
+            ),
+            "eagle3_tokens_per_verifier_pass": eagle["tokens_per_verifier_pass"],
+            "ngram_tokens_per_verifier_pass": ngram["tokens_per_verifier_pass"],
+            "eagle3_over_ngram_per_pass": (
+                eagle["tokens_per_verifier_pass"] / ngram["tokens_per_verifier_pass"]
+                if eagle["tokens_per_verifier_pass"] and ngram["tokens_per_verifier_pass"]
                 else None
             ),
             "speedup_concurrency": lowest.get("concurrency"),
