@@ -123,8 +123,8 @@ def test_stop_tokens_are_in_generation_config(tmp_path, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_build_tokenizer_stays_small(name, tmp_path):
     """Every test that builds a family's tokenizer trains it: its corpus and vocabulary stay small
-    (37k to 47k characters and a vocabulary of 900 today, a few hundredths of a second), bounded by size
-    rather than by a clock, which a loaded machine would fail."""
+    (37k to 47k characters and a vocabulary of 900 today, a few hundredths of a second), bounded
+    by size rather than by a clock, which a loaded machine would fail."""
     assert sum(len(text) for text in _corpus(FAMILIES[name])) < 100_000
     tok = AutoTokenizer.from_pretrained(build_tokenizer(name, tmp_path))
     assert len(tok) <= 900
