@@ -1,16 +1,19 @@
-"""Two lanes: the tests that need no session build run in a second pytest process, beside this one.
+"""Lanes: the tests that need no session build run in other pytest processes, beside this one.
 
 A session's builds (conftest.py Builds) take one core while they are made, and most of the
 tests after them run one process at a time on one core (a CPU engine computes on all cores but
 one, Snakemake plans on one, a SLURM job is waited for): on two cores one core was idle for
 about half of a full session. So, when a session holds tests of both kinds, those that need no
-build (conftest.py ranks their modules 0) go to a second pytest process, started as soon as the
-tests are collected, while this one runs the others beside it and the builds. At the end this
-one waits for it, prints its summary, and fails when it failed (the unit tier splits too: its
-modules that need a build hold unit tests). A session of one kind (one module, the GPU tier)
-runs in one process as before, and so does the second process itself, at the lowest priority:
-the builds and this process are the session's longest path. Its output: ``lane.log`` beside its
-base temporary directory (the path is printed).
+build (conftest.py ranks their modules 0) go to LANES more pytest processes, started as soon as
+the tests are collected, while this one runs the others beside them and the builds. At the end
+this one waits for them, prints their summaries, and fails when one failed (the unit tier splits
+too: its modules that need a build hold unit tests). A session of one kind (one module, the GPU
+tier) runs in one process as before, and so does a lane itself, at the lowest priority: the
+builds and this process are the session's longest path. Two lanes, not one: a lane alone uses
+two thirds of a core on average (its tests start processes and wait on them), and the part of
+the lanes' work left when this process ends ran on one core, the other idle. A lane holds whole
+modules (their fixtures are set up once), shared out by their weight (split_by_module). Its
+output: ``lane<N>.log`` beside its base temporary directory (the paths are printed).
 """
 
 from __future__ import annotations
@@ -25,16 +28,18 @@ from pathlib import Path
 
 import pytest
 
-LANE_ENV = "EAGLE3_TEST_LANE"  # set in the second process: it splits nothing itself
+LANE_ENV = "EAGLE3_TEST_LANE"  # set in a lane's process: it splits nothing itself
 RANK = pytest.StashKey[int]()  # conftest.py: the rank of an item's module (0: needs no build)
-LANE = pytest.StashKey["Lane"]()
+LANES = 2  # processes for the tests that need no build (see above)
+LANE = pytest.StashKey[list["Lane"]]()
+SLOW_WEIGHT = 40  # a slow test (an engine, Snakemake, processes) weighs about 40 unit tests
 SUMMARY_LINES = 60
 FAILURE_LINES = 600
 HEADINGS = re.compile(r"^=+ (FAILURES|ERRORS|short test summary info) =+$")
 
 
 def lowest_priority() -> None:
-    """In the second process, before it starts (in a session of its own): the lowest CPU
+    """In a lane's process, before it starts (in a session of its own): the lowest CPU
     priority, so that it takes what the builds and this process leave idle and they stay as fast
     as alone (measured: at equal priority the builds took 15 minutes instead of 10.5 and this
     process ended no sooner). Where the kernel groups each session's processes (autogroup),
@@ -46,15 +51,36 @@ def lowest_priority() -> None:
         pass
 
 
-class Lane:
-    """The second pytest process, running ``nodeids``."""
+def split_by_module(items: list[pytest.Item], lanes: int) -> list[list[pytest.Item]]:
+    """``items`` in ``lanes`` parts of whole modules, the heaviest module first to the lightest
+    part (a test weighs 1, a slow one SLOW_WEIGHT); each part keeps the items' order."""
+    modules: dict[str, int] = {}
+    for item in items:
+        weight = SLOW_WEIGHT if item.get_closest_marker("slow") else 1
+        module = item.nodeid.split("::")[0]
+        modules[module] = modules.get(module, 0) + weight
+    loads, part_of = [0] * lanes, {}
+    for module in sorted(modules, key=lambda m: -modules[m]):
+        part_of[module] = loads.index(min(loads))
+        loads[part_of[module]] += modules[module]
+    parts: list[list[pytest.Item]] = [[] for _ in range(lanes)]
+    for item in items:
+        parts[part_of[item.nodeid.split("::")[0]]].append(item)
+    return [part for part in parts if part]
 
-    def __init__(self, config: pytest.Config, nodeids: list[str]):
+
+class Lane:
+    """A lane's pytest process, running ``nodeids``."""
+
+    def __init__(self, config: pytest.Config, nodeids: list[str], index: int):
         given = config.option.basetemp
-        base = Path(f"{given}-lane") if given else Path(tempfile.mkdtemp(prefix="pytest-lane-"))
+        name = f"lane{index}"
+        base = (
+            Path(f"{given}-{name}") if given else Path(tempfile.mkdtemp(prefix=f"pytest-{name}-"))
+        )
         base.mkdir(parents=True, exist_ok=True)
-        self.log = base.with_name(base.name + ".log") if given else base / "lane.log"
-        args = base.with_name(base.name + ".args") if given else base / "lane.args"
+        self.log = base.with_name(base.name + ".log") if given else base / f"{name}.log"
+        args = base.with_name(base.name + ".args") if given else base / f"{name}.args"
         args.write_text("".join(f"{n}\n" for n in nodeids))
         cmd = [sys.executable, "-m", "pytest", f"@{args}", "-q", "-rfE", "-p", "no:cacheprovider"]
         cmd += ["--basetemp", str(base / "tmp")]
@@ -101,26 +127,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rest = [item for item in items if item.stash.get(RANK, 0) > 0]
     if not lane or not rest:
         return
-    config.stash[LANE] = Lane(config, [item.nodeid for item in lane])
+    parts = split_by_module(lane, LANES)
+    config.stash[LANE] = [
+        Lane(config, [item.nodeid for item in part], index) for index, part in enumerate(parts)
+    ]
     items[:] = rest
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    lane = session.config.stash.get(LANE, None)
-    if lane is None:
-        return
+    lanes = session.config.stash.get(LANE, [])
     if exitstatus == pytest.ExitCode.INTERRUPTED:
-        lane.stop()
-    if lane.wait() != 0 and session.exitstatus == pytest.ExitCode.OK:
+        for lane in lanes:
+            lane.stop()
+    failed = [lane for lane in lanes if lane.wait() != 0]
+    if failed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    lane = config.stash.get(LANE, None)
-    if lane is None:
-        return
-    terminalreporter.section(
-        f"the {lane.count} tests that need no session build, run beside these "
-        f"(exit status {lane.proc.returncode}; all of it: {lane.log})"
-    )
-    terminalreporter.write_line(lane.summary())
+    for lane in config.stash.get(LANE, []):
+        terminalreporter.section(
+            f"{lane.count} of the tests that need no session build, run beside these "
+            f"(exit status {lane.proc.returncode}; all of it: {lane.log})"
+        )
+        terminalreporter.write_line(lane.summary())

@@ -76,7 +76,7 @@ def test_parts_without_time_are_reported_in_the_one_file(gpu_check, tmp_path):
 
 
 # The lent machine's check, small, on this CPU: its limit when it is run this way (about 90 s
-# alone on 2 cores; the suite runs it beside its builds and its other lane, tests/lanes.py).
+# alone on 2 cores; the suite runs it beside its builds and the lanes, tests/lanes.py).
 LENT_SMALL_LIMIT_S = 600
 
 
