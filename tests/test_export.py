@@ -210,6 +210,6 @@ def test_the_exports_are_served_by_vllm_with_the_drafts_tokens_and_acceptance(
         assert served[name]["outputs"] == ours["outputs"], name
         assert served[name]["counters"] == ours["counters"], name
     # the other convention changes what the draft proposes (the counters above would show it),
-    # and this draft accepts less under it (3.38 against 3.59 here)
+    # and this draft accepts less under it (2.90 against 3.02 here)
     assert served["wrong"]["counters"] != ours["counters"]
     assert served["wrong"]["mean_acceptance_length"] < ours["mean_acceptance_length"] - 0.05
