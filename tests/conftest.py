@@ -365,8 +365,8 @@ def pytest_collection_modifyitems(items):
         tiers = {m.name for m in item.iter_markers()}
         if tiers & {"engine", "workflow"} or BUILDS & fixtures:
             item.add_marker(pytest.mark.slow)
-        module = item.nodeid.split("::")[0]
+        module = lanes.module_of(item)
         rank[module] = max([rank.get(module, 0), *(RANKS.get(f, 0) for f in fixtures)])
     for item in items:
-        item.stash[lanes.RANK] = rank[item.nodeid.split("::")[0]]
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: the order within
+        item.stash[lanes.RANK] = rank[lanes.module_of(item)]
+    items.sort(key=lambda item: rank[lanes.module_of(item)])  # stable: the order within

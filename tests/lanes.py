@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -51,21 +52,24 @@ def lowest_priority() -> None:
         pass
 
 
+def module_of(item: pytest.Item) -> str:
+    """The file of an item's module, as its node id names it (tests/test_x.py)."""
+    return item.nodeid.split("::")[0]
+
+
 def split_by_module(items: list[pytest.Item], lanes: int) -> list[list[pytest.Item]]:
     """``items`` in ``lanes`` parts of whole modules, the heaviest module first to the lightest
     part (a test weighs 1, a slow one SLOW_WEIGHT); each part keeps the items' order."""
-    modules: dict[str, int] = {}
+    modules: Counter[str] = Counter()
     for item in items:
-        weight = SLOW_WEIGHT if item.get_closest_marker("slow") else 1
-        module = item.nodeid.split("::")[0]
-        modules[module] = modules.get(module, 0) + weight
+        modules[module_of(item)] += SLOW_WEIGHT if item.get_closest_marker("slow") else 1
     loads, part_of = [0] * lanes, {}
     for module in sorted(modules, key=lambda m: -modules[m]):
         part_of[module] = loads.index(min(loads))
         loads[part_of[module]] += modules[module]
     parts: list[list[pytest.Item]] = [[] for _ in range(lanes)]
     for item in items:
-        parts[part_of[item.nodeid.split("::")[0]]].append(item)
+        parts[part_of[module_of(item)]].append(item)
     return [part for part in parts if part]
 
 
