@@ -340,6 +340,7 @@ TIERS = {
 def pytest_configure(config):
     for name, meaning in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    config.addinivalue_line("markers", f"{lanes.PINNED}: {lanes.PINNED_MEANING}")
     config.pluginmanager.register(lanes, "lanes")  # the tests that need no build, beside
 
 

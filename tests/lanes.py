@@ -14,6 +14,11 @@ two thirds of a core on average (its tests start processes and wait on them), an
 the lanes' work left when this process ends ran on one core, the other idle. A lane holds whole
 modules (their fixtures are set up once), shared out by their weight (split_by_module). Its
 output: ``lane<N>.log`` beside its base temporary directory (the paths are printed).
+
+A module with a test marked PINNED stays in this process (it runs while the builds are made): a
+lane's CPU engine workers bound to cores (tensor parallelism) waited at the lowest priority
+behind whatever ran on their cores, and tensor parallelism waits for its slowest worker (an
+extraction of 26 s alone ran past its 300-second limit in a lane).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ LANE_ENV = "EAGLE3_TEST_LANE"  # set in a lane's process: it splits nothing itse
 RANK = pytest.StashKey[int]()  # conftest.py: the rank of an item's module (0: needs no build)
 LANES = 2  # processes for the tests that need no build (see above)
 LANE = pytest.StashKey[list["Lane"]]()
+PINNED = "pinned"
+PINNED_MEANING = "starts CPU engine workers bound to cores: its module runs in no lane"
 SLOW_WEIGHT = 40  # a slow test (an engine, Snakemake, processes) weighs about 40 unit tests
 SUMMARY_LINES = 60
 FAILURE_LINES = 600
@@ -71,6 +78,17 @@ def split_by_module(items: list[pytest.Item], lanes: int) -> list[list[pytest.It
     for item in items:
         parts[part_of[module_of(item)]].append(item)
     return [part for part in parts if part]
+
+
+def for_lanes(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """``items`` parted, each part in their order: those for the lanes (their module needs no
+    build and has no PINNED test) and those for this process."""
+    pinned = {module_of(item) for item in items if item.get_closest_marker(PINNED)}
+
+    def laned(item: pytest.Item) -> bool:
+        return item.stash.get(RANK, 0) == 0 and module_of(item) not in pinned
+
+    return [item for item in items if laned(item)], [item for item in items if not laned(item)]
 
 
 class Lane:
@@ -127,8 +145,7 @@ class Lane:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get(LANE_ENV) or config.option.collectonly:
         return
-    lane = [item for item in items if item.stash.get(RANK, 0) == 0]
-    rest = [item for item in items if item.stash.get(RANK, 0) > 0]
+    lane, rest = for_lanes(items)
     if not lane or not rest:
         return
     parts = split_by_module(lane, LANES)

@@ -304,6 +304,7 @@ def test_transformers_backend_matches_vllm(resumed, world):
 
 
 @pytest.mark.engine
+@pytest.mark.pinned
 def test_tensor_parallel_extraction_equals_one_worker(resumed, world, tmp_path):
     """extract.tensor_parallel_size 2 on the CPU, two vLLM workers each bound to a core by the
     stage itself: the shards equal the one-worker shards (1e-6 relative), and one worker (rank

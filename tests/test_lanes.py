@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.lanes import SLOW_WEIGHT, split_by_module
+from tests.lanes import PINNED, RANK, SLOW_WEIGHT, for_lanes, split_by_module
 
 
 class Item:
-    """What split_by_module reads of a pytest item: its node id and its slow marker."""
+    """What the lanes read of a pytest item: its node id, its markers and its module's rank."""
 
-    def __init__(self, nodeid: str, slow: bool = False):
-        self.nodeid, self.slow = nodeid, slow
+    def __init__(self, nodeid: str, slow: bool = False, pinned: bool = False, rank: int = 0):
+        self.nodeid, self.stash = nodeid, {RANK: rank}
+        self.markers = {"slow": slow, PINNED: pinned}
 
     def get_closest_marker(self, name: str):
-        return pytest.mark.slow if name == "slow" and self.slow else None
+        return getattr(pytest.mark, name) if self.markers.get(name) else None
 
 
 def test_whole_modules_go_to_the_lightest_lane_and_keep_their_order():
@@ -40,3 +41,20 @@ def test_whole_modules_go_to_the_lightest_lane_and_keep_their_order():
 def test_fewer_modules_than_lanes_leave_no_empty_lane():
     items = [Item("tests/test_a.py::test_1"), Item("tests/test_a.py::test_2")]
     assert [len(part) for part in split_by_module(items, 2)] == [2]
+
+
+def test_a_module_with_a_pinned_test_or_a_build_stays_in_this_process():
+    items = [
+        Item("tests/test_a.py::test_1"),
+        Item("tests/test_p.py::test_1"),
+        Item("tests/test_b.py::test_1", rank=1),
+        Item("tests/test_p.py::test_2", pinned=True),
+        Item("tests/test_a.py::test_2"),
+    ]
+    lane, rest = for_lanes(items)
+    assert [item.nodeid for item in lane] == ["tests/test_a.py::test_1", "tests/test_a.py::test_2"]
+    assert [item.nodeid for item in rest] == [
+        "tests/test_p.py::test_1",  # its module holds a pinned test
+        "tests/test_b.py::test_1",
+        "tests/test_p.py::test_2",
+    ]

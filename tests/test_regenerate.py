@@ -561,6 +561,7 @@ def test_two_jobs_write_what_one_job_writes(demo_build, demo_chat, greedy, tmp_p
 
 
 @pytest.mark.engine
+@pytest.mark.pinned
 def test_tensor_parallel_regeneration_answers_as_one_worker(
     demo_build, demo_chat, greedy, tmp_path
 ):
