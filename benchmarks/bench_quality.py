@@ -293,6 +293,8 @@ REAL = (
     "qwen3_layer",
     "ttt_5",
     "topk_loss",
+    "lk_hybrid",
+    "accepted_chain",
     "real_window",
     "real_aux_high",
     "real_aux_deep",
