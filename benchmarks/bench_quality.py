@@ -240,11 +240,27 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "train.sliding_window_tokens: 512 (the draft attends to the 512 latest tokens)",
         {"train": {"sliding_window_tokens": 512}},
     ),
+    # levers on a draft trained as long as config.yaml's recipe trains (10 epochs), each held
+    # to real_epochs_10 (AGAINST), not to the 2-epoch baseline
+    "real10_speculators_equal_steps": (
+        "speculators 0.9's recipe at real_epochs_10's steps and micro-batches",
+        {"train": {**SPECULATORS, "micro_batch_budget_tokens": 4096, "warmup_steps": 8,
+                   "epochs": 10}},
+    ),  # fmt: skip
+    "real10_eagle3.1_norms": (
+        "train.norm_before_fc and train.norm_output: true, 10 epochs",
+        {"train": {"norm_before_fc": True, "norm_output": True, "epochs": 10}},
+    ),
     "real_corpus_4000": (
         "demo.num_conversations: 4000 (four times the corpus, the first 1,000 among them: 4x the "
         "steps at 2 epochs, near real_epochs_10's 5x over 1,000)",
         {"demo": {"num_conversations": 4000}},
     ),
+}
+# the variant a variant is paired against where it is not the baseline (the same length)
+AGAINST = {
+    "real10_speculators_equal_steps": "real_epochs_10",
+    "real10_eagle3.1_norms": "real_epochs_10",
 }
 # The drafts a variant starts from (train.init_from: "source:<name>"): trained once in a run's
 # working directory with these settings (and seed 0) over the quality build, as a user would
@@ -648,6 +664,18 @@ def load_runs(
     return done, stale
 
 
+def against(variant: str) -> str:
+    """The variant a variant's paired differences are taken against (AGAINST, else the
+    baseline)."""
+    return AGAINST.get(variant, "baseline")
+
+
+def elsewhere(variants) -> str:
+    """The pairings other than against the baseline among ``variants``, for a table's caption."""
+    pairs = [f"{v} against {AGAINST[v]}" for v in variants if v in AGAINST]
+    return f" ({'; '.join(pairs)})" if pairs else ""
+
+
 def seed_range(runs: dict[int, dict]) -> float:
     """The range of the runs' mean acceptance lengths over their seeds (training's noise)."""
     lengths = [r["results"]["summary"]["eagle3_mean_acceptance_length"] for r in runs.values()]
@@ -661,8 +689,6 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
         "|---|---|---|---|---|---|---|---|",
     ]
     base = done.get("baseline", {})
-    base_h = [histograms(r["results"]) for r in base.values()]
-    base_range = seed_range(base) if base else None
     ngram = []
     wall = stages = 0.0
     for variant, runs in done.items():
@@ -675,10 +701,14 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
         ngram += [r["summary"]["ngram_mean_acceptance_length"] for r in results]
         rates = np.mean([r["runs"]["eagle3"]["acceptance_rate_per_position"] for r in results], 0)
         vs, beyond = "", ""
-        if variant != "baseline" and base_h:
-            diff, (lo, hi) = paired_difference([histograms(r) for r in results], base_h)
-            vs = f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-            noise = max(spread, base_range or 0)
+        ref = against(variant)
+        if variant != ref and done.get(ref):
+            ref_h = [histograms(r["results"]) for r in done[ref].values()]
+            diff, (lo, hi) = paired_difference([histograms(r) for r in results], ref_h)
+            vs = (
+                "" if ref == "baseline" else f"vs {ref}: "
+            ) + f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            noise = max(spread, seed_range(done[ref]))
             beyond = "yes" if (lo > 0 or hi < 0) and abs(diff) > noise else "no"
         lines.append(
             f"| {variant} | {VARIANTS[variant][0]} | {len(results)} "
@@ -741,7 +771,8 @@ def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
     lines = [
         "",
         "Acceptance length per evaluation set: pooled over the seeds (range over the seeds), and "
-        "against the baseline the paired difference [95% CI] over the set's prompts.",
+        f"against the baseline{elsewhere(runs)} the paired difference [95% CI] over the set's "
+        "prompts.",
         "",
         "| variant | " + " | ".join(f"{n} ({e['num_prompts']})" for n, e in sets.items()) + " |",
         f"|---|{'---|' * len(sets)}",
@@ -750,6 +781,7 @@ def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
     ngram = histograms(next(iter(runs.values()))[0], "ngram")
     for variant, results in [*runs.items(), ("n-gram", None)]:
         hists = [ngram] if results is None else [histograms(r) for r in results]
+        ref = [histograms(r) for r in runs.get(against(variant), [])]
         cells = []
         for pick in picks:
             mine = [h[pick] for h in hists]
@@ -757,8 +789,8 @@ def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
             if len(mine) > 1:
                 each = [float(pooled_length([h])) for h in mine]
                 cell += f" ({min(each):.3f}-{max(each):.3f})"
-            if results is not None and variant != "baseline" and base:
-                diff, (lo, hi) = paired_difference(mine, [h[pick] for h in base])
+            if results is not None and variant != against(variant) and ref:
+                diff, (lo, hi) = paired_difference(mine, [h[pick] for h in ref])
                 cell += f" {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             cells.append(cell)
         lines.append(f"| {variant} | {' | '.join(cells)} |")
@@ -786,17 +818,17 @@ def context_table(done: dict[str, dict[int, dict]]) -> list[str]:
     lines = [
         "",
         "Acceptance length by context length at the drafted position (tokens): pooled over the "
-        "seeds (range over the seeds); against the baseline, the paired difference [95% CI] over "
-        "the prompts that reached the bucket; last / first: the longest bucket reached over the "
-        "shortest.",
+        "seeds (range over the seeds); against the baseline"
+        f"{elsewhere(runs)}, the paired difference [95% CI] over the prompts that reached the "
+        "bucket; last / first: the longest bucket reached over the shortest.",
         "",
         f"| variant | {' | '.join(names)} | last / first |",
         f"|---|{'---|' * len(names)}---|",
     ]
-    base = [by_context(r) for r in runs.get("baseline", [])]
     ngram = by_context(next(iter(runs.values()))[0], "ngram")
     for variant, results in [*runs.items(), ("n-gram", None)]:
         hists = [ngram] if results is None else [by_context(r) for r in results]
+        ref = [by_context(r) for r in runs.get(against(variant), [])]
         cells, means = [], []
         for b in range(len(edges)):
             if not sum(h[:, b].sum() for h in hists):
@@ -806,10 +838,10 @@ def context_table(done: dict[str, dict[int, dict]]) -> list[str]:
             means.append(mean)
             each = [float(pooled_length([h[:, b]])) for h in hists]
             cell = f"{mean:.3f}" + (f" ({min(each):.3f}-{max(each):.3f})" if len(each) > 1 else "")
-            if results is not None and variant != "baseline" and base:
-                reached = np.flatnonzero(sum(h[:, b].sum(-1) for h in hists + base))
+            if results is not None and variant != against(variant) and ref:
+                reached = np.flatnonzero(sum(h[:, b].sum(-1) for h in hists + ref))
                 diff, (lo, hi) = paired_difference(
-                    [h[reached, b] for h in hists], [h[reached, b] for h in base]
+                    [h[reached, b] for h in hists], [h[reached, b] for h in ref]
                 )
                 cell += f" {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             cells.append(cell)

@@ -132,7 +132,7 @@ def test_every_quality_variant_is_a_valid_config():
     benchmark)."""
     import yaml
 
-    from benchmarks.bench_quality import BENCHES, DEFAULT, SOURCE, SOURCES, VARIANTS
+    from benchmarks.bench_quality import AGAINST, BENCHES, DEFAULT, SOURCE, SOURCES, VARIANTS
     from workflow_scripts.lib.workflow.config import load_config
 
     def merged(base: dict, over: dict) -> dict:
@@ -144,6 +144,7 @@ def test_every_quality_variant_is_a_valid_config():
 
     long = BENCHES["long"][2]
     assert set(DEFAULT) <= set(VARIANTS) and set(long) <= set(VARIANTS)
+    assert set(AGAINST) | set(AGAINST.values()) <= set(VARIANTS)  # paired against a variant
     for bench, (configfile, _, _) in BENCHES.items():
         base = merged(*(yaml.safe_load(f.read_text()) for f in (ROOT / "config.yaml", configfile)))
         names = (
@@ -239,6 +240,13 @@ def test_quality_runs_are_kept_by_the_code_and_the_build_that_made_them(tmp_path
     assert "real_corpus_4000@1" in load_runs(tmp_path, code, build)[1]
     with pytest.raises(SystemExit, match="from 2 builds .* verifier .* real_corpus_4000@1"):
         load_runs(tmp_path, code)
+
+    # a variant paired against another than the baseline (AGAINST): its cells and captions say so
+    keep("real_epochs_10", 0)
+    keep("real10_eagle3.1_norms", 0)
+    text = table(load_runs(tmp_path, code, build)[0])
+    assert "| 3.100 | vs real_epochs_10: +0.000 [+0.000, +0.000] | no |" in text
+    assert text.count("against the baseline (real10_eagle3.1_norms against real_epochs_10)") == 2
 
 
 def test_a_run_on_part_of_the_cores_counts_that_part_of_its_time(monkeypatch):
