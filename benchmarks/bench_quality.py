@@ -66,7 +66,7 @@ SEEDS = (0, 1, 2)
 # once the build is made: the demo's code may change without changing the quality build).
 RUN_STAGES = (
     "regenerate", "regenerate_merge", "prepare", "vocab", "extract", "extract_merge", "train",
-    "evaluate",
+    "evaluate_reference", "evaluate",
 )  # fmt: skip
 BUILT = {"verifier": "demo/verifier/model.safetensors", "chat_data": "data/chat_data.jsonl"}
 # A variant with settings of these sections changes the chat data every other run computes from

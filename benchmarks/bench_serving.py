@@ -84,7 +84,6 @@ def main() -> None:
     from workflow_scripts.lib.chat.template import load_template
     from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets, run_in_child
     from workflow_scripts.lib.evaluation.run import engine_jobs
-    from workflow_scripts.lib.workflow.registry import EvaluateIO
 
     drafts = [
         (name, str(Path(path).resolve())) for name, path in (d.split("=", 1) for d in a.draft)
@@ -92,16 +91,10 @@ def main() -> None:
     out = a.json.resolve() if a.json else None
     cfg, layout = build_config(a.directory, a.configfile)  # and now in a.directory
     p = cfg.evaluate.model_copy(update={"concurrency": a.concurrency})
-    io = EvaluateIO(
-        verifier=layout.verifier(cfg.verifier),
-        draft=layout.train.draft,
-        metrics=layout.train.metrics,
-        results=layout.evaluate.results,
-        plot_dir=layout.evaluate.plots,
-    )
-    template = load_template(io.verifier, p.chat_template)
+    verifier = layout.verifier(cfg.verifier)
+    template = load_template(verifier, p.chat_template)
     prompts = load_prompt_sets(p.eval_prompts.root, template, p.max_prompts, p.max_model_len_tokens)
-    jobs = engine_jobs(io, p, prompts, [("greedy", 0.0)])
+    jobs = engine_jobs(verifier, layout.train.draft, p, prompts, [("greedy", 0.0)])
     for name, path in drafts:
         job = json.loads(json.dumps(jobs["eagle3"]))
         job["engine"]["speculative_config"]["model"] = path

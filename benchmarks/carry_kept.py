@@ -4,10 +4,13 @@ stages compute (a new definition of the fingerprint, a refactor): in each kept r
 whose recorded fingerprint is the one commit ``--from`` gives that stage gets this checkout's.
 A stage whose recorded fingerprint is another commit's is left as it is (that run stays stale on
 it). Whether the code computes the same is for the change to show before this runs, the embedded
-default built by both commits byte for byte, and for its commit message to say.
+default built by both commits byte for byte, and for its commit message to say. A stage split
+out of another (``--split NEW=OLD``: evaluate_reference out of evaluate) is added to each run
+whose OLD is carried, with this checkout's fingerprint.
 
     python benchmarks/carry_kept.py --from 3b740ab           # what would change
     python benchmarks/carry_kept.py --from 3b740ab --write   # rewrite the kept runs
+    python benchmarks/carry_kept.py --from 8ad7c1b --split evaluate_reference=evaluate --write
 """
 
 from __future__ import annotations
@@ -59,14 +62,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="commit", required=True, help="the commit the runs match")
     parser.add_argument("--write", action="store_true", help="rewrite the kept runs")
+    parser.add_argument(
+        "--split",
+        action="append",
+        default=[],
+        metavar="NEW=OLD",
+        help="stage NEW was split out of stage OLD: a run whose OLD is carried gets NEW too",
+    )
     args = parser.parse_args()
+    splits = dict(pair.split("=", 1) for pair in args.split)
     runs = sorted(KEPT.glob("*/*@*.json"))
     stages = sorted({s for path in runs for s in json.loads(path.read_text())["code"]})
-    old, new = at_commit(args.commit, stages), fingerprints(ROOT, stages)
+    old, new = at_commit(args.commit, stages), fingerprints(ROOT, [*stages, *splits])
     for path in runs:
         run = json.loads(path.read_text())
         carried = [s for s, f in run["code"].items() if f == old[s] and f != new[s]]
         stale = [s for s, f in run["code"].items() if f not in (old[s], new[s])]
+        for split, whole in splits.items():
+            if split not in run["code"] and run["code"].get(whole) == old[whole]:
+                run["code"][split] = new[split]
+                carried.append(split)
         print(
             f"{path.relative_to(KEPT)}: carried {len(carried)} of {len(run['code'])} stages"
             + (f"; stale on {', '.join(stale)} (left as recorded)" if stale else "")

@@ -177,7 +177,8 @@ def test_no_module_or_package_imports_one_that_imports_it_back():
 def test_a_stage_package_is_imported_by_its_own_entry_only():
     across = set()
     for stage in STAGES:
-        own = STAGE_PACKAGES.get(stage.removesuffix("_merge"))
+        # a stage's package is its config section's (evaluate_reference: evaluation)
+        own = STAGE_PACKAGES.get(STAGES[stage].config_key or stage.removesuffix("_merge"))
         for imported in direct_imports(STAGES[stage].module):
             package = part_of(imported)
             if package in STAGE_PACKAGES.values() and package != own:

@@ -70,6 +70,7 @@ RULE_STAGE = {
     "extract_merge": "extract",
     "extract_plan": "extract",  # (a disk budget's)
     "train": "train",
+    "evaluate_reference": "evaluate",
     "evaluate_draft": "evaluate",
 }
 # rules with wildcards are no targets a user can ask for, only cluster jobs (--target-jobs), which

@@ -278,11 +278,12 @@ def test_the_example_plans_engines_over_two_nodes(deepseek):
     assert error is None, out[-3000:]
     assert jobs_in(out) == {
         "data": 1, "regenerate": 1, "regenerate_merge": 1, "prepare": 1, "vocab": 1,
-        "extract": 2, "extract_merge": 1, "train": 1, "evaluate_draft": 1, "resolved_config": 1,
+        "extract": 2, "extract_merge": 1, "train": 1, "evaluate_reference": 1,
+        "evaluate_draft": 1, "resolved_config": 1,
     }  # fmt: skip
     assert "resources: tmpdir=/tmp, nodes=2, tasks=2, mpi=srun, gres=gpu:8, gpu=16" in out
     engines = [line for line in out.splitlines() if "workflow_scripts.lib.workflow.nodes 2" in line]
-    assert len(engines) == 4  # regenerate, the two extract jobs, evaluate
+    assert len(engines) == 5  # regenerate, the two extract jobs, evaluate's two
     for stage in ("regenerate", "extract", "evaluate"):
         assert any(f"--key {stage}.num_nodes --engine results-deepseek-v3/nodes --gpus 8 --" in line
                    for line in engines), stage  # fmt: skip

@@ -268,3 +268,53 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     monkeypatch.chdir(elsewhere)
     with pytest.raises(SystemExit, match=r"\(evaluate\.dtype, evaluate\.max_new_tokens\)"):
         build_config(work, [])  # config.yaml alone: the CPU's dtype, another max_new_tokens
+
+
+def reference_run(outputs: list[list[int]]) -> dict:
+    """An engine's run without drafts, as acceptance.run_engine records it."""
+    return {
+        "engine_start_s": 1.0, "temperature": 0.0, "sampling": {"seed": 0},
+        "generation_s": 2.0, "output_tokens": sum(map(len, outputs)), "num_drafts": 0.0,
+        "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "turns_served": len(outputs),
+        "later_turns_too_long": 0, "mean_acceptance_length": None,
+        "tokens_per_verifier_pass": 1.0, "acceptance_rate_per_position": [],
+        "acceptance_histograms": [None] * len(outputs),
+        "acceptance_histograms_by_context": [[None]] * len(outputs), "outputs": outputs,
+    }  # fmt: skip
+
+
+def test_a_draft_is_held_only_to_references_of_its_prompts_and_runs(tmp_path):
+    """evaluate takes evaluate_reference's record as it is only where its engines served these
+    prompts (set, id, prompt length) and these runs; otherwise it stops, saying how to make it
+    again. The record keeps what each engine generated, read back as written."""
+    from workflow_scripts.lib.evaluation.records import References
+    from workflow_scripts.lib.evaluation.run import held_references, prompt_keys
+    from workflow_scripts.lib.evaluation.speed import device_description
+    from workflow_scripts.lib.workflow.code_inputs import made_by
+    from workflow_scripts.lib.workflow.registry import EvaluateIO
+
+    prompts = [
+        {"set": "demo", "id": 0, "prompt_token_ids": [1, 2, 3]},
+        {"set": "humaneval", "id": "HumanEval/0", "prompt_token_ids": [4, 5]},
+    ]
+    outputs = [[7, 8], [9]]
+    refs = References(
+        runs={"baseline": reference_run(outputs), "ngram": reference_run(outputs)},
+        prompts=prompt_keys(prompts),
+        device=device_description(False),
+        made_by=made_by("evaluate_reference"),
+    )
+    assert "cores of" in refs.device
+    io = EvaluateIO(
+        verifier=tmp_path, draft=tmp_path, metrics=tmp_path / "m.jsonl",
+        reference=tmp_path / "reference.json", results=tmp_path / "r.json", plot_dir=tmp_path,
+    )  # fmt: skip
+    refs.write(io.reference)
+    greedy = [("greedy", 0.0)]
+    held = held_references(io, prompts, greedy)
+    assert held.runs["ngram"].outputs == outputs and held == References.read(io.reference)
+    longer = [prompts[0], {**prompts[1], "prompt_token_ids": [4, 5, 6]}]
+    sampled = [*greedy, ("temperature_0.7", 0.7)]
+    for other, runs in ((longer, greedy), (prompts, sampled), (prompts[:1], greedy)):
+        with pytest.raises(UserError, match="other prompts or runs .* --forcerun evaluate_refer"):
+            held_references(io, other, runs)

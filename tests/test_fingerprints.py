@@ -89,6 +89,7 @@ def test_the_versions_of_a_stages_packages_are_part_of_its_fingerprint():
         "regenerate",
         "extract",
         "extract_stream",
+        "evaluate_reference",
         "evaluate",
     }
     assert code_inputs.shard_code_fingerprint(versions=gpu) != code_inputs.shard_code_fingerprint(

@@ -18,7 +18,7 @@ from workflow_scripts.lib.workflow.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DEMO = yaml.safe_load((ROOT / "config.demo-gpu.yaml").read_text())
-GPU_JOBS = {"extract", "train", "evaluate_draft"}
+GPU_JOBS = {"extract", "train", "evaluate_reference", "evaluate_draft"}
 
 
 def cuda_vllm() -> bool:
@@ -42,7 +42,7 @@ def test_the_gpu_demo_plans_each_gpu_job_on_the_one_gpu(tmp_path):
     reserving = {rule for rule, body in jobs if re.search(r"resources: .*\bgpu=1\b", body)}
     assert reserving == GPU_JOBS
     commands = re.findall(r"^Shell command: (.*)$", out, flags=re.M)
-    for stage in ("extract", "train", "evaluate"):
+    for stage in ("extract", "train", "evaluate_reference", "evaluate"):
         command = next(c for c in commands if f" -m workflow_scripts.stages.{stage} " in c)
         assert " -m workflow_scripts.lib.workflow.gpus 1 -- " in command, command
 
@@ -57,5 +57,5 @@ def test_the_embedded_default_runs_on_one_gpu(tmp_path):
     results_dir = work / GPU_DEMO["results_dir"]
     results = json.loads((Layout(results_dir).evaluate.results).read_text())
     assert results["summary"]["eagle3_mean_acceptance_length"] > 1.0, results["summary"]
-    for log in ("extract/job_0.log", "train.log", "evaluate.log"):
+    for log in ("extract/job_0.log", "train.log", "evaluate_reference.log", "evaluate.log"):
         assert "CUDA_VISIBLE_DEVICES=0" in (results_dir / "logs" / log).read_text(), log

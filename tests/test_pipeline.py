@@ -246,7 +246,6 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     from workflow_scripts.lib.chat.template import load_template
     from workflow_scripts.lib.evaluation.acceptance import load_prompt_sets, run_in_child
     from workflow_scripts.lib.evaluation.run import engine_jobs
-    from workflow_scripts.lib.workflow.registry import EvaluateIO
     from workflow_scripts.lib.workflow.sources import PromptSource
 
     work, config = full_build
@@ -257,15 +256,9 @@ def test_evaluation_with_tensor_parallel_workers(full_build, tmp_path):
     verifier_dir = results / "demo" / "verifier"
     demo_prompts = [PromptSource(path=str(results / "demo" / "eval_prompts.jsonl"))]
     prompts = load_prompt_sets(demo_prompts, load_template(verifier_dir, p.chat_template), 4)
-    built = Layout(results)
-    io = EvaluateIO(
-        verifier=verifier_dir,
-        draft=built.train.draft,
-        metrics=built.train.metrics,
-        results=built.evaluate.results,  # not written: the job's results go to tmp_path
-        plot_dir=built.evaluate.plots,
-    )
-    job = engine_jobs(io, p, prompts, [("greedy", 0.0)])["eagle3"]  # as the stage makes it
+    job = engine_jobs(verifier_dir, Layout(results).train.draft, p, prompts, [("greedy", 0.0)])[
+        "eagle3"
+    ]  # as the stage makes it
     assert job["engine"]["tensor_parallel_size"] == 2
     run = run_in_child(job, tmp_path, "eagle3_tp2")["greedy"]
     evaluated = json.loads((Layout(results).evaluate.results).read_text())

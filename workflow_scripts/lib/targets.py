@@ -15,6 +15,7 @@ TARGET_STAGES: dict[str, frozenset[str]] = {
     "all": frozenset({"regenerate", "extract", "train", "evaluate"}),
     "evaluate": frozenset({"regenerate", "extract", "train", "evaluate"}),
     "evaluate_draft": frozenset({"regenerate", "extract", "train", "evaluate"}),
+    "evaluate_reference": frozenset({"evaluate"}),
     "draft_ckpt": frozenset({"regenerate", "extract", "train"}),
     "export_sglang": frozenset({"regenerate", "extract", "train"}),
     "export_trtllm": frozenset({"regenerate", "extract", "train"}),

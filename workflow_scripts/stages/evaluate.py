@@ -1,8 +1,9 @@
 """evaluate: the trained draft under real vLLM speculative decoding, against no draft and n-gram.
 
-For the held-out prompts (chat template applied) it runs the verifier in vLLM three times, each
-engine in its own process: without speculation, with the EAGLE-3 draft, and with vLLM's n-gram
-(prompt lookup) speculator; greedy, and optionally also at a sampled temperature. From vLLM's own
+For the held-out prompts (chat template applied) it serves the verifier in vLLM with the EAGLE-3
+draft, greedy, and optionally also at a sampled temperature, and holds it to the verifier served
+without speculation and with vLLM's n-gram (prompt lookup) speculator, which the
+evaluate_reference stage served on the same prompts (stages/evaluate_reference.py). From vLLM's own
 counters it records mean acceptance length and the acceptance rate per draft position, and from
 its per-request metrics a 95% bootstrap interval over prompts for each; beside them, what training
 simulated for the draft on its held-out split. From wall-clock around ``generate`` the output

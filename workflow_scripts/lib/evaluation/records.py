@@ -1,7 +1,9 @@
 """What evaluate writes (``<results_dir>/evaluate/results.json``), typed once: each engine's run
 (the verifier alone, with the EAGLE-3 draft, with n-gram), the acceptance per set of prompts and by
 context length, what training simulated, and the summary. The report, the benchmarks and the
-users' scripts read this file.
+users' scripts read this file. Beside it, what the engines that serve no draft made
+(``reference.json``, ``References``): the evaluate_reference rule serves them once for the
+prompts and settings, and every draft trained after is held to them.
 """
 
 from __future__ import annotations
@@ -100,6 +102,32 @@ class EngineRun(Record):
     per_prompt: Acceptance | None = None
     by_context: list[ContextBucket] | None = None
     speed: list[SpeedPass] | None = None
+
+
+class ReferenceRun(EngineRun):
+    """A run of an engine that serves no draft (the verifier alone, n-gram), with what it
+    generated for each prompt (all its turns), which the draft's greedy outputs are held to."""
+
+    outputs: list[list[int]]
+
+
+class PromptKey(Record):
+    """A prompt as the engines were served it: its set, id and first prompt's token count."""
+
+    set: str
+    id: str | int
+    prompt_tokens: int
+
+
+class References(Record):
+    """The evaluate_reference rule's output: the runs of the engines without a draft (named as
+    in ``EvalResults.runs``), the prompts they served, and the machine they ran on (the speed
+    passes of a draft's engine are compared with theirs only on the same kind)."""
+
+    runs: dict[str, ReferenceRun]
+    prompts: list[PromptKey]
+    device: str
+    made_by: MadeBy
 
 
 class SetResults(Record):

@@ -1,14 +1,17 @@
-"""The evaluate stage's work (``evaluate(io, p)``): the held-out prompts served by the verifier in
-vLLM three times, each engine in its own process (without speculation, with the EAGLE-3 draft,
-with n-gram), greedy and optionally sampled, then, warm, timed at each concurrency (``speed``);
-the acceptance from vLLM's counters with intervals over prompts, per set and by context length;
-the greedy outputs with a speculator held to those without; each speculator's speedup; and the
-summary (lib/evaluation/records.py: ``EvalResults``).
+"""The evaluate stages' work: the held-out prompts served by the verifier in vLLM three times, each
+engine in its own process (without speculation, with n-gram, with the EAGLE-3 draft), greedy and
+optionally sampled, then, warm, timed at each concurrency (``speed``). The two engines that serve
+no draft are ``reference(io, p)``'s (the evaluate_reference rule: served once for the prompts and
+settings, whatever draft comes after; lib/evaluation/records.py ``References``); ``evaluate(io,
+p)`` serves the draft and holds it to them: the acceptance from vLLM's counters with intervals
+over prompts, per set and by context length; the greedy outputs with a speculator held to those
+without; each speculator's speedup; and the summary (``EvalResults``).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from workflow_scripts.lib.chat.template import load_template
@@ -21,15 +24,16 @@ from workflow_scripts.lib.evaluation.acceptance import (
     run_in_child,
     simulated_acceptance,
 )
-from workflow_scripts.lib.evaluation.records import EvalResults
-from workflow_scripts.lib.evaluation.speed import speedups
+from workflow_scripts.lib.evaluation.records import EvalResults, PromptKey, References
+from workflow_scripts.lib.evaluation.speed import device_description, speedups
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.code_inputs import made_by
 from workflow_scripts.lib.workflow.definitions import EvaluateParams
-from workflow_scripts.lib.workflow.registry import EvaluateIO
+from workflow_scripts.lib.workflow.registry import EvaluateIO, EvaluateReferenceIO
 
 log = logging.getLogger("eagle3")
+REFERENCES = ("baseline", "ngram")  # the engines that serve no draft (evaluate_reference's)
 
 
 def check_draft(io: EvaluateIO) -> None:
@@ -42,19 +46,20 @@ def check_draft(io: EvaluateIO) -> None:
         )
 
 
-def speculators(io: EvaluateIO, p: EvaluateParams, engine_args: dict) -> dict[str, Any]:
-    """The engines' speculative configs: none, the draft, n-gram."""
+def speculators(draft: Path | None, p: EvaluateParams, engine_args: dict) -> dict[str, Any]:
+    """The engines' speculative configs: none, the draft (where ``draft`` is given), n-gram."""
     # vLLM selects a draft's attention backend anew: the one named for the verifier (the CPU's
     # reference MLA backend, lib/verifier/engine.py) is named for the draft too
     backend = {key: v for key, v in engine_args.items() if key == "attention_backend"}
+    eagle3 = {
+        "method": "eagle3",
+        "model": str(draft),
+        "num_speculative_tokens": p.num_speculative_tokens,
+        **backend,
+    }
     return {
         "baseline": None,
-        "eagle3": {
-            "method": "eagle3",
-            "model": str(io.draft),
-            "num_speculative_tokens": p.num_speculative_tokens,
-            **backend,
-        },
+        **({"eagle3": eagle3} if draft is not None else {}),
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": p.num_speculative_tokens,
@@ -65,14 +70,19 @@ def speculators(io: EvaluateIO, p: EvaluateParams, engine_args: dict) -> dict[st
 
 
 def engine_jobs(
-    io: EvaluateIO, p: EvaluateParams, prompts: list[dict], runs: list[tuple[str, float]]
+    verifier: Path,
+    draft: Path | None,
+    p: EvaluateParams,
+    prompts: list[dict],
+    runs: list[tuple[str, float]],
 ) -> dict[str, dict[str, Any]]:
-    """Per speculator, what its engine's process serves (acceptance.run_engine): the engine's
-    arguments, the prompts, the runs (name, temperature) and the speed passes' concurrencies."""
-    dtype = engine.resolve_dtype(p, verifier_files.verifier_config(io.verifier))
-    engine_args = engine.engine_args(p, io.verifier, dtype, disable_log_stats=False)
+    """Per speculator (``speculators``), what its engine's process serves
+    (acceptance.run_engine): the engine's arguments, the prompts, the runs (name, temperature)
+    and the speed passes' concurrencies."""
+    dtype = engine.resolve_dtype(p, verifier_files.verifier_config(verifier))
+    engine_args = engine.engine_args(p, verifier, dtype, disable_log_stats=False)
     jobs = {}
-    for name, spec in speculators(io, p, engine_args).items():
+    for name, spec in speculators(draft, p, engine_args).items():
         speculation = (
             # detailed: each verify step's accepted drafts, in order (acceptance by context)
             {"speculative_config": spec, "per_request_spec_decode_metrics": "detailed"}
@@ -86,7 +96,7 @@ def engine_jobs(
             "max_new_tokens": p.max_new_tokens,
             "seed": 0,
             "use_gpus": p.use_gpus,
-            "verifier": str(io.verifier),
+            "verifier": str(verifier),
             "chat_template": p.chat_template.model_dump(),
             "max_model_len": p.max_model_len_tokens,
             "context_edges": p.context_edges(),
@@ -119,32 +129,38 @@ def greedy_mismatches(prompts: list[dict], outputs: dict[str, list]) -> dict[str
     return mismatches
 
 
-def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
-    check_draft(io)
+def served_prompts(verifier: Path, p: EvaluateParams) -> tuple[list[dict], list]:
+    """The prompts of every set as the engines serve them, and the runs (name, temperature),
+    after the checks that stop a job before an engine starts."""
     sets = p.eval_prompts.root
-    template = load_template(io.verifier, p.chat_template)
+    template = load_template(verifier, p.chat_template)
     prompts = load_prompt_sets(sets, template, p.max_prompts, p.max_model_len_tokens)
     log.info(
         "evaluate: %d prompts: %s",
         len(prompts),
         ", ".join(f"{s.label} {sum(q['set'] == s.label for q in prompts)}" for s in sets),
     )
-    verifier_cfg = verifier_files.verifier_config(io.verifier)
+    verifier_cfg = verifier_files.verifier_config(verifier)
     preflight.check_evaluate(p, verifier_cfg)
     engine.check_devices(
-        p, "evaluate", dtype=engine.resolve_dtype(p, verifier_cfg), verifier=io.verifier
+        p, "evaluate", dtype=engine.resolve_dtype(p, verifier_cfg), verifier=verifier
     )
-    k = p.num_speculative_tokens
     runs = [("greedy", 0.0)]
     if p.sampled_temperature is not None:
         runs.append((f"temperature_{p.sampled_temperature:g}", p.sampled_temperature))
+    return prompts, runs
 
-    edges = p.context_edges()
-    results: dict[str, Any] = {}
-    scratch = io.results.parent / f".{io.results.name}.engines"
+
+def serve_engines(
+    jobs: dict[str, dict[str, Any]], scratch: Path, edges: list[int]
+) -> tuple[dict[str, Any], dict[str, list]]:
+    """Each engine of ``jobs`` in its own process, one after another: per run (``<engine>`` for
+    the greedy one, ``<engine>@<run>`` for the others) its results, with the acceptance and its
+    intervals where it drafted, and its outputs."""
     scratch.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
     outputs: dict[str, list] = {}
-    for name, job in engine_jobs(io, p, prompts, runs).items():
+    for name, job in jobs.items():
         for run_name, run in run_in_child(job, scratch, name).items():
             key = name if run_name == "greedy" else f"{name}@{run_name}"
             outputs[key] = run.pop("outputs")
@@ -157,10 +173,87 @@ def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
     for path in scratch.iterdir():
         path.unlink()
     scratch.rmdir()
+    return results, outputs
+
+
+def prompt_keys(prompts: list[dict]) -> list[PromptKey]:
+    return [
+        PromptKey(set=q["set"], id=q["id"], prompt_tokens=len(q["prompt_token_ids"]))
+        for q in prompts
+    ]
+
+
+def reference(io: EvaluateReferenceIO, p: EvaluateParams) -> References:
+    """The engines that serve no draft (REFERENCES), on every prompt: what evaluate holds each
+    draft to."""
+    prompts, runs = served_prompts(io.verifier, p)
+    jobs = engine_jobs(io.verifier, None, p, prompts, runs)
+    scratch = io.reference.parent / f".{io.reference.name}.engines"
+    results, outputs = serve_engines(jobs, scratch, p.context_edges())
+    return References(
+        runs={key: {**run, "outputs": outputs[key]} for key, run in results.items()},
+        prompts=prompt_keys(prompts),
+        device=device_description(p.use_gpus),
+        made_by=made_by("evaluate_reference"),
+    )
+
+
+def held_references(io: EvaluateIO, prompts: list[dict], runs: list) -> References:
+    """evaluate_reference's record, refused where its engines served other prompts or runs than
+    evaluate serves now (a file kept from other settings, or copied in by hand)."""
+    refs = References.read(io.reference)
+    wanted = {n if r == "greedy" else f"{n}@{r}" for n in REFERENCES for r, _ in runs}
+    if refs.prompts != prompt_keys(prompts) or set(refs.runs) != wanted:
+        raise UserError(
+            f"{io.reference} holds other prompts or runs than evaluate serves now: run "
+            "`snakemake --forcerun evaluate_reference` (its rule makes it from these settings)"
+        )
+    return refs
+
+
+def evaluate(io: EvaluateIO, p: EvaluateParams) -> EvalResults:
+    check_draft(io)
+    sets = p.eval_prompts.root
+    prompts, runs = served_prompts(io.verifier, p)
+    refs = held_references(io, prompts, runs)
+    k = p.num_speculative_tokens
+    edges = p.context_edges()
+    jobs = engine_jobs(io.verifier, io.draft, p, prompts, runs)
+    scratch = io.results.parent / f".{io.results.name}.engines"
+    mine, my_outputs = serve_engines({"eagle3": jobs["eagle3"]}, scratch, edges)
+    # every run in the engines' order (the verifier alone, the draft, n-gram), as one record
+    results: dict[str, Any] = {}
+    outputs: dict[str, list] = {}
+    for name in jobs:
+        for key in [name, *(f"{name}@{run_name}" for run_name, _ in runs[1:])]:
+            if name == "eagle3":
+                results[key], outputs[key] = mine[key], my_outputs[key]
+            else:
+                ref = refs.runs[key]
+                results[key] = ref.model_dump(mode="json", exclude_unset=True, exclude={"outputs"})
+                outputs[key] = ref.outputs
 
     mismatches = greedy_mismatches(prompts, outputs)
     eagle, ngram = results["eagle3"], results["ngram"]
-    gains = speedups(results) if p.concurrency else []
+    gains = []
+    timed = {s["concurrency"] for s in results["baseline"].get("speed") or []}
+    if p.concurrency and timed != set(p.concurrency):
+        log.warning(
+            "evaluate: the engines without a draft were timed at concurrencies %s, this job at %s "
+            "(an execution setting: nothing reran them): the speedups are those of both; "
+            "`snakemake --forcerun evaluate_reference evaluate_draft` times them all again",
+            sorted(timed),
+            p.concurrency,
+        )
+    if p.concurrency and refs.device == device_description(p.use_gpus):
+        gains = speedups(results)
+    elif p.concurrency:
+        log.warning(
+            "evaluate: no speedups: the engines without a draft ran on %s, this job on %s; "
+            "`snakemake --forcerun evaluate_reference evaluate_draft` serves them all again here",
+            refs.device,
+            device_description(p.use_gpus),
+        )
     lowest = next((g for g in gains if g["set"] == "all"), {})
     simulated = simulated_acceptance(io.metrics, k)
     return EvalResults(

@@ -4,15 +4,50 @@ soon as one finishes, for each concurrency in turn: once untimed, then timed fro
 request added to the last one finished (repeated where that is shorter than evaluate's
 ``speed_pass_min_s``). Per pass: output tokens/s, the acceptance, and per request vLLM's own
 time to first token and time per output token (its request metrics). Then each speculator's
-speedup over the verifier alone, per set and concurrency and over all sets.
+speedup over the verifier alone, per set and concurrency and over all sets: the engines without a
+draft are served by another job (evaluate_reference), so a speedup is taken only between jobs on
+the same kind of machine (``device_description``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 from collections import deque
 from typing import Any
+
+
+def device_description(use_gpus: bool) -> str:
+    """What a job's engines run on, for the speed passes of two jobs to be compared: the GPUs'
+    names (NVIDIA's tool, which starts nothing on them) and count, or the CPU's model and the
+    cores the job may use."""
+    if use_gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        cmd = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        try:
+            out = subprocess.run(
+                cmd + ([f"--id={visible}"] if visible else []),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            out = ""
+        names = [line.strip() for line in out.splitlines() if line.strip()]
+        if not names:
+            return "GPUs not named (nvidia-smi named none)"
+        return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else " + ".join(names)
+    model = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{len(os.sched_getaffinity(0))} cores of {model}"
 
 
 def speed_pass(
@@ -135,11 +170,16 @@ def speed_passes(
 
 def speedups(runs: dict[str, Any]) -> list[dict[str, Any]]:
     """Each speculator's output tokens/s over the verifier alone's, per set and concurrency, then
-    over all sets (their tokens over their time) at each concurrency."""
-    base = {(s["set"], s["concurrency"]): s for s in runs["baseline"]["speed"]}
+    over all sets (their tokens over their time) at each concurrency: those every engine was
+    timed at (evaluate_reference's engines keep the concurrencies they were served with)."""
     mine = {
         name: {(s["set"], s["concurrency"]): s for s in runs[name]["speed"]}
         for name in ("eagle3", "ngram")
+    }
+    base = {
+        (s["set"], s["concurrency"]): s
+        for s in runs["baseline"]["speed"]
+        if all((s["set"], s["concurrency"]) in passes for passes in mine.values())
     }
     rows = [
         {"set": key[0], "concurrency": key[1]}

@@ -47,16 +47,10 @@ def node_jobs(cfg) -> list[NodeJob]:
     )
     e = cfg.evaluate
     gpus_key = "evaluate.tensor_parallel_size / evaluate.num_nodes"
-    jobs.append(
-        NodeJob(
-            "evaluate_draft",
-            "evaluate",
-            "evaluate.num_nodes",
-            e.num_nodes,
-            gpus_key,
-            e.gpus_per_node,
+    for rule in ("evaluate_reference", "evaluate_draft"):  # the same engine settings
+        jobs.append(
+            NodeJob(rule, "evaluate", "evaluate.num_nodes", e.num_nodes, gpus_key, e.gpus_per_node)
         )
-    )
     return jobs
 
 
@@ -129,7 +123,10 @@ def check_node_counts(
                 f"SLURM's nodes{where} have at most {cluster['gpus_per_node']}; lower "
                 f"{job.gpus_key.split(' / ')[0]}"
             )
-    errors, warnings = by_targets({s: f for s, f in problems.items() if f}, targets)
+    # (the two evaluate rules find the same problems of the cluster: each said once)
+    errors, warnings = by_targets(
+        {s: list(dict.fromkeys(f)) for s, f in problems.items() if f}, targets
+    )
     if errors:
         raise UserError("\n".join(errors))
     return warnings + list(dict.fromkeys(unknown))

@@ -131,6 +131,11 @@ class Evaluate(StageDir):
         return self.dir / RESULTS
 
     @property
+    def reference(self) -> Path:
+        """The engines without a draft (rule evaluate_reference), what every draft is held to."""
+        return self.dir / "reference.json"
+
+    @property
     def plots(self) -> Path:
         return self.dir / "plots"
 

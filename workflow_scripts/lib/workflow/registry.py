@@ -131,9 +131,20 @@ class TrainIO(StageIO):
     metrics: Path = Field(description="Output: training metrics (JSONL).")
 
 
+class EvaluateReferenceIO(StageIO):
+    verifier: Path = Field(description="Input: verifier directory.")
+    reference: Path = Field(
+        description="Output: the verifier's runs without a draft and with n-gram (JSON)."
+    )
+
+
 class EvaluateIO(StageIO):
     verifier: Path = Field(description="Input: verifier directory.")
     draft: Path = Field(description="Input: draft checkpoint directory.")
+    reference: Path = Field(
+        description="Input: the verifier's runs without a draft and with n-gram (JSON), what "
+        "the draft is held to."
+    )
     metrics: Path = Field(description="Input: training metrics (JSONL).")
     results: Path = Field(description="Output: evaluation results (JSON).")
     plot_dir: Path = Field(description="Output: directory of plots (PNG).")
@@ -191,7 +202,8 @@ def _stage(
 
 
 # Every stage, in pipeline order (also the order of config.yaml's sections).
-# extract_plan and extract_stream (a disk budget) read the extract section.
+# extract_plan and extract_stream (a disk budget) read the extract section, evaluate_reference
+# the evaluate one.
 STAGES: dict[str, Stage] = {
     name: _stage(name, params, io, *rest)
     for name, params, io, *rest in (
@@ -206,6 +218,7 @@ STAGES: dict[str, Stage] = {
         ("extract_plan", ExtractParams, ExtractPlanIO, (), "extract"),
         ("extract_stream", ExtractParams, ExtractStreamIO, VLLM, "extract"),
         ("train", TrainParams, TrainIO, TORCH),
+        ("evaluate_reference", EvaluateParams, EvaluateReferenceIO, VLLM, "evaluate"),
         ("evaluate", EvaluateParams, EvaluateIO, VLLM),
         ("export", None, ExportIO, TORCH),
     )
