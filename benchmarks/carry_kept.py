@@ -29,8 +29,9 @@ KEPT = ROOT / "benchmarks" / "results"
 FINGERPRINTS = """
 import json, sys
 from workflow_scripts.lib.workflow.code_inputs import stage_fingerprint
-print(json.dumps({stage: stage_fingerprint(stage) for stage in sys.argv[1:]}))
-"""
+from workflow_scripts.lib.workflow.registry import STAGES
+print(json.dumps({stage: stage_fingerprint(stage) for stage in sys.argv[1:] if stage in STAGES}))
+"""  # (a stage the commit does not have yet has no fingerprint there)
 
 
 def fingerprints(tree: Path, stages: list[str]) -> dict[str, str]:
@@ -76,8 +77,8 @@ def main() -> None:
     old, new = at_commit(args.commit, stages), fingerprints(ROOT, [*stages, *splits])
     for path in runs:
         run = json.loads(path.read_text())
-        carried = [s for s, f in run["code"].items() if f == old[s] and f != new[s]]
-        stale = [s for s, f in run["code"].items() if f not in (old[s], new[s])]
+        carried = [s for s, f in run["code"].items() if f == old.get(s) and f != new[s]]
+        stale = [s for s, f in run["code"].items() if f not in (old.get(s), new[s])]
         for split, whole in splits.items():
             if split not in run["code"] and run["code"].get(whole) == old[whole]:
                 run["code"][split] = new[split]
