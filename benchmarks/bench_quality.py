@@ -689,6 +689,7 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
         "|---|---|---|---|---|---|---|---|",
     ]
     base = done.get("baseline", {})
+    hists = {v: [histograms(r["results"]) for r in runs.values()] for v, runs in done.items()}
     ngram = []
     wall = stages = 0.0
     for variant, runs in done.items():
@@ -703,8 +704,7 @@ def table(done: dict[str, dict[int, dict]], default: tuple[str, ...] = DEFAULT) 
         vs, beyond = "", ""
         ref = against(variant)
         if variant != ref and done.get(ref):
-            ref_h = [histograms(r["results"]) for r in done[ref].values()]
-            diff, (lo, hi) = paired_difference([histograms(r) for r in results], ref_h)
+            diff, (lo, hi) = paired_difference(hists[variant], hists[ref])
             vs = (
                 "" if ref == "baseline" else f"vs {ref}: "
             ) + f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
@@ -777,11 +777,12 @@ def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
         "| variant | " + " | ".join(f"{n} ({e['num_prompts']})" for n, e in sets.items()) + " |",
         f"|---|{'---|' * len(sets)}",
     ]
-    base = [histograms(r) for r in runs.get("baseline", [])]
+    each_run = {v: [histograms(r) for r in results] for v, results in runs.items()}
+    base = each_run.get("baseline", [])
     ngram = histograms(next(iter(runs.values()))[0], "ngram")
     for variant, results in [*runs.items(), ("n-gram", None)]:
-        hists = [ngram] if results is None else [histograms(r) for r in results]
-        ref = [histograms(r) for r in runs.get(against(variant), [])]
+        hists = [ngram] if results is None else each_run[variant]
+        ref = each_run.get(against(variant), [])
         cells = []
         for pick in picks:
             mine = [h[pick] for h in hists]
@@ -825,10 +826,11 @@ def context_table(done: dict[str, dict[int, dict]]) -> list[str]:
         f"| variant | {' | '.join(names)} | last / first |",
         f"|---|{'---|' * len(names)}---|",
     ]
+    each_run = {v: [by_context(r) for r in results] for v, results in runs.items()}
     ngram = by_context(next(iter(runs.values()))[0], "ngram")
     for variant, results in [*runs.items(), ("n-gram", None)]:
-        hists = [ngram] if results is None else [by_context(r) for r in results]
-        ref = [by_context(r) for r in runs.get(against(variant), [])]
+        hists = [ngram] if results is None else each_run[variant]
+        ref = each_run.get(against(variant), [])
         cells, means = [], []
         for b in range(len(edges)):
             if not sum(h[:, b].sum() for h in hists):
