@@ -288,6 +288,31 @@ def test_tokens_a_verifier_pass_count_the_steps_n_gram_did_not_draft():
     assert float(pooled_length([ngram])) == pytest.approx(3.5)  # vLLM's figure: 1 + 5 / 2
 
 
+def test_prompts_whose_text_repeats_are_those_n_gram_drafts_at_half_the_passes_or_more():
+    """The table of fresh and repeating text splits the prompts by the share of the verifier's
+    passes at which n-gram found a match to draft from (REPEATS), and gives each group's
+    acceptance length and n-gram's tokens a verifier pass; with one group empty, no table."""
+    from benchmarks.bench_quality import repeat_table, repeats
+
+    results = {
+        "num_speculative_tokens": 3,
+        "runs": {
+            "eagle3": {"acceptance_histograms": [[2, 1, 0, 0], [1, 0, 0, 1]]},  # 5 and 6 tokens
+            # 1 drafted step of 5 passes (1 / 5: fresh); 2 drafted of 6 - 3 passes (2 / 3)
+            "ngram": {"acceptance_histograms": [[1, 0, 0, 0], [1, 0, 0, 1]]},
+        },
+    }
+    assert repeats(results).tolist() == [False, True]
+    text = "\n".join(repeat_table({"baseline": {0: {"results": results}}}))
+    assert "| variant | fresh text (1) | repeating text (1) |" in text
+    assert "| baseline | 1.333 | 2.500 |" in text  # 1 + 1 / 3 and 1 + 3 / 2
+    assert "| n-gram | 1.000 | 2.500 |" in text
+    assert "| n-gram, output tokens a verifier pass | 1.000 | 2.000 |" in text  # 5 / 5, 6 / 3
+    results["runs"]["ngram"]["acceptance_histograms"][0] = [2, 0, 0, 1]  # 3 of 5 - 3 passes
+    assert repeats(results).tolist() == [True, True]
+    assert repeat_table({"baseline": {0: {"results": results}}}) == []
+
+
 def test_a_table_of_stale_runs_only_leaves_the_kept_table(tmp_path):
     """When no kept record counts for this code, --table says so and leaves the kept table.md
     as it is (the repository's copy of the last results), rather than emptying it."""
