@@ -39,9 +39,13 @@ def build_config(directory: Path, configfiles: list[Path]):
     """The config the build in ``directory`` was made with, from ``directory``/config.yaml and
     ``configfiles`` (as given, from the current directory) over it, and the build's Layout. Like
     Snakemake's --directory it changes the working directory to ``directory``, so that the
-    build's relative paths (results_dir, verifier, prompt files) resolve from there. SystemExit
-    where there is no build or the files' evaluate settings are not the ones the build recorded
-    (lib/dryrun.py: recorded_settings, dtype resolved as the rules resolve it)."""
+    build's relative paths (results_dir, verifier, prompt files) resolve from there; the chat
+    data's and the evaluation's sources as the jobs read them (the demo's files, sets known by
+    name at their place: lib/data/resolve.py). SystemExit where there is no build or the files'
+    evaluate settings are not the ones the build recorded (lib/dryrun.py: recorded_settings,
+    dtype resolved as the rules resolve it)."""
+    from workflow_scripts.lib.common import UserError
+    from workflow_scripts.lib.data.resolve import resolve_sources
     from workflow_scripts.lib.dryrun import recorded_settings
     from workflow_scripts.lib.verifier.files import verifier_config
     from workflow_scripts.lib.workflow.config import ConfigError, load_config_files
@@ -59,6 +63,12 @@ def build_config(directory: Path, configfiles: list[Path]):
             f"with `snakemake --cores all evaluate` and these config files, or name the config "
             f"files it was built with (--configfile) and its working directory (--directory)"
         )
+    try:
+        cfg.data.chat_data, cfg.evaluate.eval_prompts, _ = resolve_sources(
+            cfg.data.chat_data, cfg.evaluate.eval_prompts, layout.demo.dir, layout.sources_lock
+        )
+    except UserError as exc:
+        raise SystemExit(str(exc)) from None
     built = yaml.safe_load(layout.resolved_config.read_text())["evaluate"]
     verifier_cfg = verifier_config(cfg.verifier) if cfg.verifier else {}  # as rules/common.smk
     given = json.loads(recorded_settings(cfg, "evaluate", verifier_cfg))

@@ -222,13 +222,15 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     execution settings (the engine's memory, GPUs) included, which the build's record leaves out,
     from the build's working directory (relative paths resolve there, as with Snakemake's
     --directory); files whose evaluate settings are not the recorded ones (the dtype an auto
-    dtype resolves to included), or no build, are refused."""
+    dtype resolves to included), or no build, are refused. Sets known by name (the demo's
+    held-out prompts here) are at their place, as the rules record and read them."""
     import json
     import shutil
 
     import yaml
 
     from benchmarks.bench_serving import build_config
+    from workflow_scripts.lib.data.resolve import resolve_sources
     from workflow_scripts.lib.dryrun import resolved_config
     from workflow_scripts.lib.workflow.config import load_config_files
     from workflow_scripts.lib.workflow.layout import Layout
@@ -253,6 +255,9 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     cfg = load_config_files([Path("config.yaml"), elsewhere / "mine.yaml"])
     layout = Layout(Path(cfg.results_dir))
     layout.train.draft.mkdir(parents=True)
+    cfg.data.chat_data, cfg.evaluate.eval_prompts, _ = resolve_sources(  # as the rules do
+        cfg.data.chat_data, cfg.evaluate.eval_prompts, layout.demo.dir, layout.sources_lock
+    )
     layout.resolved_config.write_text(yaml.safe_dump(resolved_config(cfg, verifier_cfg)))
     assert yaml.safe_load(layout.resolved_config.read_text())["evaluate"]["dtype"] == "float16"
 
@@ -260,6 +265,7 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     got, got_layout = build_config(work, [mine])
     assert Path.cwd() == work  # the build's relative verifier and results_dir resolve from here
     assert got.evaluate.gpu_memory_utilization == 0.5 and got.evaluate.max_new_tokens == 9
+    assert [s.path for s in got.evaluate.eval_prompts.root] == [str(layout.demo.eval_prompts)]
     assert got_layout.root.resolve() == (work / cfg.results_dir).resolve()
     monkeypatch.chdir(elsewhere)
     (elsewhere / "cpu.yaml").write_text("evaluate:\n  use_gpus: false\n")

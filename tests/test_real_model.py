@@ -75,6 +75,19 @@ def test_the_trained_verifiers_settings_rerun_nothing_for_a_pretrained_one():
     )
 
 
+def test_copying_and_greedy_decodings_walk_count_as_prompt_lookup_and_vllm_do():
+    """benchmarks/bench_copying.py: a position is copy-right where the last 3 tokens occurred
+    before and were followed then by the next token; greedy decoding's walk takes each step's
+    anchor after the drafts accepted, so runs of agreement count in few steps."""
+    from benchmarks.bench_copying import copy_right, walk
+
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 1]
+    assert [j for j, right in enumerate(copy_right(ids)) if right] == [6]  # 5 6 7 -> 8, not -> 1
+    chain = [3, 3, 3, 3, 0, 0, 0, 0]  # drafts accepted at each anchor, k = 3
+    assert 1 + sum(chain) / len(chain) == 2.5  # every position an anchor: training's figure
+    assert walk(chain, 0) == (5, 3)  # anchors 0, 4, 5, 6, 7: 1 + 3 / 5 = 1.6, vLLM's count
+
+
 def test_the_evals_corpus_needs_the_pretrained_verifier():
     with pytest.raises(ValueError, match="corpus evals needs verifier_model smollm2"):
         DemoParams(corpus="evals")
@@ -154,3 +167,27 @@ def test_every_stage_ran_with_the_teacher_proven_and_the_draft_served_lossless(r
     embed = verifier["model.embed_tokens.weight"]
     assert draft["embed_tokens.weight"].equal(embed.to(draft["embed_tokens.weight"].dtype))
     assert draft["lm_head.weight"].shape == (1024, 576) and draft["d2t"].shape == (1024,)
+
+
+def test_greedy_decodings_walk_over_the_verifiers_answers_is_what_vllm_served(real_build, tmp_path):
+    """benchmarks/bench_copying.py on the real-model build: the draft unrolled as training
+    unrolls it over the verifier's own answers to the held-out prompts (the verifier in
+    transformers), each step anchored after the drafts accepted, gives the acceptance length vLLM
+    served on each set (a flipped step at most: the two compute in other kernels)."""
+    import subprocess
+    import sys
+
+    work, _ = real_build
+    out = tmp_path / "copying.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_copying.py"), "--directory", str(work),
+         "--configfile", str(work / "test_config.yaml"), "--samples", "2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert {"training's held-out split", "trained on"} < set(figures), figures
+    for name in ("held-out: demo", "held-out: humaneval"):
+        f = figures[name]
+        assert f["answer_tokens"] > 0 and f["served"] is not None, figures
+        assert abs(f["greedy_walk"] - f["served"]) <= 1 / f["greedy_walk_steps"] + 1e-9, figures
