@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_serving import build_config  # noqa: E402
+from workflow_scripts.lib.draft.greedy_walk import walk_answers  # noqa: E402
 
 COPY_NGRAM = 3
 
@@ -48,17 +49,6 @@ def copy_right(ids: list[int], n: int = COPY_NGRAM) -> list[bool]:
         right[j] = key in seen and ids[seen[key] + 1] == ids[j + 1]
         seen[key] = j
     return right
-
-
-def walk(chain: list[int], start: int) -> tuple[int, int]:
-    """(verify steps, drafts accepted) of greedy speculative decoding from anchor ``start``:
-    ``chain[t]`` drafts accepted at anchor t, the next anchor the token after them."""
-    steps = accepted = 0
-    t = start
-    while t < len(chain):
-        steps, accepted = steps + 1, accepted + chain[t]
-        t += chain[t] + 1
-    return steps, accepted
 
 
 def load_draft(directory: Path):
@@ -121,13 +111,14 @@ def measure(verifier, draft, draft_to_verifier, aux_ids, ids: list[int], start: 
             first = agree
         alive &= agree
         chain += alive.long()
-    anchor = start - 2  # training's first anchor: the one predicting the answer's first token
-    copy = torch.tensor(copy_right(ids)[1:])[anchor:]
-    first, chain = first[anchor:], chain[anchor:]
-    steps, accepted = walk(chain.tolist(), 1)  # vLLM's first: that token is the prefill's
+    anchored = torch.zeros(1, n, dtype=torch.bool)  # as training's: t predicts answer token t + 2
+    anchored[0, start - 2 : n - 1] = True
+    steps, accepted = walk_answers(anchored, chain[None])  # the first step after the prefill's
+    a = anchored[0]
+    copy = torch.tensor(copy_right(ids)[1:]) & a
     return [
-        int(copy.sum()), int((first & copy).sum()), int((~copy).sum()), int((first & ~copy).sum()),
-        len(chain), int(chain.sum()), steps, accepted,
+        int(copy.sum()), int((first & copy).sum()), int((a & ~copy).sum()),
+        int((first & a & ~copy).sum()), int(a.sum()), int(chain[a].sum()), steps, accepted,
     ]  # fmt: skip
 
 
@@ -196,7 +187,7 @@ def main() -> None:
                 served = run.mean_acceptance_length if run is not None else None
             figures[name] = {
                 "sequences": len(seqs),
-                "answer_tokens": c[4] - len(seqs),
+                "answer_tokens": c[4],
                 "copy_right": c[0],
                 "first_agrees_where_copy_right": c[1] / max(c[0], 1),
                 "first_agrees_elsewhere": c[3] / max(c[2], 1),

@@ -168,3 +168,24 @@ def test_a_changed_computation_changes_the_fingerprints_of_the_stages_that_run_i
     changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
     assert {"regenerate", "extract", "extract_stream", "evaluate", "train"} <= changed
     assert not changed & {"data", "prepare", "vocab", "demo"}
+
+
+def test_a_figure_added_to_trainings_metrics_changes_only_the_stages_that_write_or_read_them(
+    tmp_path, as_checked_in
+):
+    """The record of training's metrics (MetricsRow) is written by train and read by evaluate
+    (registry.py: RECORDS): a new field in it reruns those two, not the extraction before them,
+    though every stage's code imports the module that holds it."""
+    tree = edited_tree(
+        tmp_path,
+        "lib/workflow/records.py",
+        "    positions_per_step: list[int]\n",
+        "    positions_per_step: list[int]\n    new_figure: float | None = None\n",
+    )
+    changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
+    assert changed == {"train", "evaluate"}
+    tree = edited_tree(  # a record every stage shares (the base of them all) is every stage's
+        tmp_path / "shared", "lib/workflow/records.py", 'extra="forbid"', 'extra="ignore"'
+    )
+    changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
+    assert {"prepare", "extract", "train", "evaluate"} <= changed

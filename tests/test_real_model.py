@@ -79,13 +79,19 @@ def test_copying_and_greedy_decodings_walk_count_as_prompt_lookup_and_vllm_do():
     """benchmarks/bench_copying.py: a position is copy-right where the last 3 tokens occurred
     before and were followed then by the next token; greedy decoding's walk takes each step's
     anchor after the drafts accepted, so runs of agreement count in few steps."""
-    from benchmarks.bench_copying import copy_right, walk
+    import torch
+
+    from benchmarks.bench_copying import copy_right
+    from workflow_scripts.lib.draft.greedy_walk import walk_answers
 
     ids = [5, 6, 7, 8, 5, 6, 7, 8, 1]
     assert [j for j, right in enumerate(copy_right(ids)) if right] == [6]  # 5 6 7 -> 8, not -> 1
-    chain = [3, 3, 3, 3, 0, 0, 0, 0]  # drafts accepted at each anchor, k = 3
-    assert 1 + sum(chain) / len(chain) == 2.5  # every position an anchor: training's figure
-    assert walk(chain, 0) == (5, 3)  # anchors 0, 4, 5, 6, 7: 1 + 3 / 5 = 1.6, vLLM's count
+    # drafts accepted at each anchor, k = 3; two answers (the first token of each the prefill's)
+    chain = torch.tensor([[0, 3, 3, 3, 3, 0, 0, 0, 0, 9, 0, 2, 0, 0]])
+    anchored = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    # every position an anchor: training's figure, 1 + 14 / 13; the walk: anchors 1, 5, 6, 7, 8
+    # and 11 (3 + 2 accepted in 6 steps), as vLLM counts
+    assert walk_answers(anchored, chain) == (6, 5)
 
 
 def test_the_evals_corpus_needs_the_pretrained_verifier():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from tests import factories
 from tests.test_train import FAST, small_draft
 from tests.train_data_for_tests import build_inputs, read_metrics
+from workflow_scripts.lib.draft.greedy_walk import walk_answers
 from workflow_scripts.lib.draft.model import TeacherHead, shift_left
 from workflow_scripts.lib.evaluation.acceptance import acceptance_with_ci, simulated_acceptance
 from workflow_scripts.lib.training.loader import MicroBatch
@@ -40,13 +41,14 @@ def test_acceptance_chain_follows_vllm_greedy():
     ids = torch.randint(0, V, (B, L))
     mask = torch.rand(B, L) < 0.8
     mask[2, 11:] = False  # padding
-    _, stats = model(aux, final, ids, mask, teacher, S)
+    _, stats = model(aux, final, ids, mask, teacher, S, walk=True)
 
     n = L - 1
     outputs = model.unroll(aux, ids, S)
     verifier_top1 = (teacher.normed(final) @ head.T).argmax(-1)  # [B, L]
     anchors = shift_left(mask, 2, n)
     alive = anchors.clone()
+    chain = torch.zeros(B, n, dtype=torch.int64)
     for k in range(S):
         counted = shift_left(mask, 2 + k, n)
         draft = draft_to_verifier[model.lm_head(model.norm(outputs[k])).argmax(-1)]  # [B, n]
@@ -56,6 +58,8 @@ def test_acceptance_chain_follows_vllm_greedy():
         alive &= served
         assert stats["served"][k] == served.sum()
         assert stats["accepted"][k] == alive.sum() and stats["anchors"][k] == anchors.sum()
+        chain += alive.long()  # greedy decoding at k + 1 drafts a step counts these chains
+        assert (stats["walk_steps"][k], stats["walk_accepted"][k]) == walk_answers(anchors, chain)
     # served implies right inside the draft vocabulary, not the reverse: that overstates
     assert (stats["served"] <= stats["correct"]).all()
     assert stats["served"].sum() < stats["correct"].sum()
@@ -65,6 +69,10 @@ def test_acceptance_chain_follows_vllm_greedy():
     rates = (stats["accepted"] / stats["anchors"]).tolist()
     assert summary["acceptance_per_position"] == pytest.approx(rates, abs=1e-6)
     assert summary["simulated_acceptance_length"] == pytest.approx(1 + sum(rates[:3]), abs=1e-5)
+    walked = (1 + stats["walk_accepted"] / stats["walk_steps"]).tolist()
+    assert summary["walked_acceptance_by_k"] == pytest.approx(walked, abs=1e-6)
+    _, unwalked = model(aux, final, ids, mask, teacher, S)  # training's steps: not counted
+    assert "walked_acceptance_by_k" not in summarize(torch.stack(list(unwalked.values())), 1.0, 3)
 
 
 def test_the_draft_is_the_best_validation(tmp_path):
@@ -137,6 +145,11 @@ def test_evaluation_reads_what_training_selected(tmp_path):
     assert simulated_acceptance(path, 4)["mean_acceptance_length"] is None  # trained for 3
     path.write_text(rows[1].line())
     assert simulated_acceptance(path, 3)["step"] == 8
+    # as greedy decoding counts it, where training walked its held-out split: at evaluate's k
+    walked = rows[2].model_copy(update={"walked_acceptance_by_k": [1.3, 1.45, 1.5]})
+    path.write_text(walked.line())
+    assert simulated_acceptance(path, 2)["walked_acceptance_length"] == 1.45
+    assert "walked_acceptance_length" not in simulated_acceptance(path, 4)
 
 
 # --------------------------------------------------------------------------- recipe options

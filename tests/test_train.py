@@ -696,7 +696,7 @@ def test_the_losses_are_what_they_say():
     """tv is 1 - alpha (alpha = sum min(p, q): speculative sampling's acceptance rate); lk_alpha
     -log alpha; lk_hybrid KL where the draft is far off and tv where it is close; each zero
     where q = p and with a gradient that moves q towards p."""
-    from workflow_scripts.lib.draft.model import OBJECTIVES, objective_value
+    from workflow_scripts.lib.draft.objectives import OBJECTIVES, objective_value
 
     g = torch.Generator().manual_seed(0)
     target = torch.log_softmax(torch.randn(5, 7, generator=g, dtype=torch.float64), -1)

@@ -62,7 +62,9 @@ from torch.utils.checkpoint import checkpoint
 
 from workflow_scripts.lib.draft.attention import dense_ttt_attention, ttt_attention
 from workflow_scripts.lib.draft.layer_config import stacked
+from workflow_scripts.lib.draft.greedy_walk import walk_steps
 from workflow_scripts.lib.draft.layers import RMSNorm, Rotary, apply_rope
+from workflow_scripts.lib.draft.objectives import Objective, objective_value
 from workflow_scripts.lib.draft.teacher_head import LOSS_CHUNK_ELEMENTS, TeacherHead
 
 
@@ -209,31 +211,10 @@ class DecoderLayer(nn.Module):
 # per TTT step, summed over positions: the forward KL; draft top-1 = teacher top-1 inside the draft
 # vocabulary ("correct"); counted positions; draft top-1 = the verifier's argmax over its whole
 # vocabulary ("served": what vLLM accepts under greedy decoding); anchors whose draft tokens up to
-# this step were all accepted ("accepted": vLLM's chain); and the anchors (step-0 positions)
+# this step were all accepted ("accepted": vLLM's chain); the anchors (step-0 positions); where
+# asked, greedy decoding's count at k = this step + 1 (greedy_walk.py: its steps, drafts accepted)
 STAT_KEYS = ("kl", "correct", "count", "served", "accepted", "anchors")
-
-OBJECTIVES = ("kl", "tv", "lk_alpha", "lk_hybrid")
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What a trained position adds to the loss (``train.loss`` and the options on top of it):
-
-    * ``name``: the per-position objective against the teacher (``objective_value``), with
-      ``lk_eta`` for lk_hybrid;
-    * ``topk_weight`` w and ``topk`` K: plus w x the cross-entropy of the draft over the
-      teacher's K most likely tokens, -sum_{v in top-K(p)} p_v log q_v (HASS's top-K
-      distillation: the head of the distribution, where the tokens served are, counts more);
-    * ``chain``: at TTT step k > 0 only the positions whose draft tokens of steps 0..k-1 were all
-      the verifier's argmax (GRIFFIN's token alignment: vLLM's greedy chain never reaches a
-      later step past a rejected token, so those positions train nothing it serves).
-    """
-
-    name: str = "kl"
-    lk_eta: float = 3.0
-    topk_weight: float = 0.0
-    topk: int = 10
-    chain: bool = False
+STAT_KEYS += ("walk_steps", "walk_accepted")
 
 
 class Eagle3Draft(nn.Module):
@@ -323,6 +304,7 @@ class Eagle3Draft(nn.Module):
         step_loss_decay: float = 1.0,
         denominators: list[float] | None = None,
         objective: Objective = Objective(),
+        walk: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The TTT loss: sum over steps k of decay**k * (sum of the step's ``objective``: kl, tv,
         lk_alpha or lk_hybrid, plus its top-K term, over the positions it trains: see
@@ -336,7 +318,8 @@ class Eagle3Draft(nn.Module):
         follows vLLM's greedy acceptance: an anchor (a position counted at step 0) has its draft
         token of step k accepted if those of steps 0..k all equal the verifier's argmax over its
         whole vocabulary. (The unroll feeds the data's tokens: this is vLLM's chain exactly when
-        the answers are the verifier's own greedy ones, as regeneration makes them.)
+        the answers are the verifier's own greedy ones, as regeneration makes them.) With
+        ``walk``, also greedy decoding's count over the same chains (``walk_steps``).
         """
         outputs = self.unroll(aux_hidden, input_ids, ttt_steps)
         n = input_ids.shape[1] - 1
@@ -348,6 +331,7 @@ class Eagle3Draft(nn.Module):
         stats = {key: torch.zeros(ttt_steps, dtype=torch.float64) for key in STAT_KEYS}
         alive = shift_left(mask, 2, n)  # the anchors; then those whose chain still holds
         anchors = int(alive.sum())
+        chains = []  # alive after each step
         for k, r in enumerate(outputs):
             counted = shift_left(mask, 2 + k, n)  # x_{t+2+k} is an assistant token
             b, t = counted.nonzero(as_tuple=True)
@@ -373,6 +357,10 @@ class Eagle3Draft(nn.Module):
             stats["served"][k] = int(served.sum())
             stats["accepted"][k] = int(alive.sum())
             stats["anchors"][k] = anchors
+            if walk:
+                chains.append(alive.clone())
+        if walk:
+            stats["walk_steps"], stats["walk_accepted"] = walk_steps(shift_left(mask, 2, n), chains)
         return loss, stats
 
     @staticmethod
@@ -414,25 +402,6 @@ class Eagle3Draft(nn.Module):
             top1 = draft_lp.argmax(-1)
             right = (top1 == target.argmax(-1)).sum()
         return kl.sum(), value.sum(), right, top1
-
-
-LK_ALPHA_FLOOR = 1e-6  # -log alpha where the distributions barely overlap
-
-
-def objective_value(objective: str, kl, p, q, lk_eta: float = 3.0) -> torch.Tensor:
-    """The per-position loss [c] from the forward KL [c] and the distributions p (teacher) and
-    q (draft) [c, K]. alpha = sum min(p, q): speculative sampling's acceptance rate."""
-    if objective == "kl":
-        return kl
-    alpha = torch.minimum(p, q).sum(-1)
-    if objective == "tv":
-        return 1.0 - alpha
-    if objective == "lk_alpha":
-        return -torch.log(alpha.clamp_min(LK_ALPHA_FLOOR))
-    if objective == "lk_hybrid":
-        blend = torch.exp(-lk_eta * alpha.detach())
-        return blend * kl + (1.0 - blend) * (1.0 - alpha)
-    raise ValueError(f"unknown loss {objective!r}; one of {', '.join(OBJECTIVES)}")
 
 
 def shift_left(x: torch.Tensor, by: int, n: int) -> torch.Tensor:

@@ -389,17 +389,20 @@ def per_set(
 
 def simulated_acceptance(metrics_path: Path, k: int) -> dict[str, Any] | None:
     """What training simulated for the draft it wrote, on its held-out split: the ``selected``
-    row of its metrics (else the last validation), cut to k draft positions."""
+    row of its metrics (else the last validation), cut to k draft positions, and as greedy
+    decoding counts it (where training counted it, at the same k)."""
     rows = MetricsRow.read_all(metrics_path)
     chosen = [r for r in rows if r.split == "selected"] or [r for r in rows if r.split == "val"]
     if not chosen:
         return None
     row = chosen[-1]
     rates = row.acceptance_per_position[:k]
+    walked = row.walked_acceptance_by_k or []
     return {
         "step": row.step,
         "acceptance_rate_per_position": rates,
         "mean_acceptance_length": 1 + sum(rates) if len(rates) == k else None,
+        **({"walked_acceptance_length": walked[k - 1]} if len(walked) >= k else {}),
     }
 
 

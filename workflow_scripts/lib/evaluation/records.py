@@ -148,7 +148,8 @@ class Simulated(Record):
 
     step: int
     acceptance_rate_per_position: list[float]
-    mean_acceptance_length: float | None
+    mean_acceptance_length: float | None  # every position an anchor of k drafts
+    walked_acceptance_length: float | None = None  # as greedy decoding counts (vLLM's count)
 
 
 class PromptRef(Record):

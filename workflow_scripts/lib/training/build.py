@@ -106,11 +106,19 @@ def summarize(stats: torch.Tensor, decay: float, num_speculative_tokens: int) ->
     the loss trains); ``top1_agreement_full_vocab``: equals the verifier's argmax over its whole
     vocabulary; ``acceptance_per_position``: the share of anchors whose draft tokens up to this
     position vLLM would all accept (greedy), and from it ``simulated_acceptance_length`` at
-    ``num_speculative_tokens`` (1 + the sum of the first k)."""
-    kl, correct, count, served, accepted, anchors = stats
+    ``num_speculative_tokens`` (1 + the sum of the first k: every position an anchor); where the
+    batch was walked, ``walked_acceptance_by_k``: the same chains counted as greedy decoding
+    counts them at k = 1..S drafts a step, each step anchored after the drafts accepted (vLLM's
+    figure on these answers)."""
+    kl, correct, count, served, accepted, anchors, walk_steps, walk_accepted = stats
     count = count.clamp(min=1)
     per_step_kl = (kl / count).tolist()
     acceptance = (accepted / anchors.clamp(min=1)).tolist()
+    walked = {}
+    if bool((walk_steps > 0).all()):
+        walked["walked_acceptance_by_k"] = [
+            round(1 + v, 6) for v in (walk_accepted / walk_steps).tolist()
+        ]
     return {
         "loss": sum(decay**k * v for k, v in enumerate(per_step_kl)),
         "kl_per_step": [round(v, 6) for v in per_step_kl],
@@ -119,6 +127,7 @@ def summarize(stats: torch.Tensor, decay: float, num_speculative_tokens: int) ->
         "acceptance_per_position": [round(v, 6) for v in acceptance],
         "simulated_acceptance_length": round(1 + sum(acceptance[:num_speculative_tokens]), 6),
         "positions_per_step": [int(v) for v in stats[2].tolist()],
+        **walked,
     }
 
 

@@ -315,9 +315,8 @@ class Trainer:
             mb = collate([self.inputs.index.sample(int(g)) for g in ids], self.data_dtype)
             mb = mb.to(self.d.device)
             with self.autocast():
-                _, s = self.model(
-                    mb.aux_hidden, mb.final_hidden, mb.input_ids, mb.loss_mask, self.teacher, S
-                )
+                states = (mb.aux_hidden, mb.final_hidden, mb.input_ids, mb.loss_mask)
+                _, s = self.model(*states, self.teacher, S, walk=True)  # greedy decoding's too
             stats += torch.stack([s[k] for k in STAT_KEYS])
         summary = summarize(self.d.all_sum(stats), self.p.ttt_step_loss_decay, self.serve_k)
         self.write_metrics(MetricsRow(step=self.step, split="val", **summary))
@@ -434,13 +433,14 @@ class Trainer:
             metrics += row.line().encode()
             if self.report is not None:
                 self.report.summary(row)
-            summary = self.best["summary"]
+            summary, k = self.best["summary"], self.serve_k
             log.info(
-                "the draft is step %d's: simulated acceptance length %.3f at k=%d, KL %.4f on the "
-                "held-out split (the best validation by %s)",
+                "the draft is step %d's: simulated acceptance length %.3f at k=%d (%.3f as greedy "
+                "decoding counts it), KL %.4f on the held-out split (the best validation by %s)",
                 self.best["step"],
                 summary["simulated_acceptance_length"],
-                self.serve_k,
+                k,
+                (summary.get("walked_acceptance_by_k") or [float("nan")] * k)[k - 1],
                 summary["loss"],
                 self.p.select_by,
             )

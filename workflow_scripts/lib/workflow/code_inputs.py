@@ -1,19 +1,20 @@
 """The code a stage runs: the project's modules in the import closure of its entry script, and
 its fingerprint.
 
-The closure is found by reading the imports (``ast``), not by importing: the dry-run stays fast
-and needs neither torch nor vLLM. The fingerprint hashes what of that code can change the stage's
+The closure is found by reading the imports (``ast``), not by importing: the dry-run stays fast and
+needs neither torch nor vLLM. The fingerprint hashes what of that code can change the stage's
 outputs: the modules of the closure that compute (every one but the few in ``PLUMBING``, which
-check, plan, launch and name), each module's syntax tree without comments, formatting,
-docstrings, the ``description=`` texts of settings, the messages of what the code raises and the
-statements that only log, and without the typed settings and file declarations of other stages (a
-new ``train`` setting changes no other stage's code); with it, the versions of the packages that
-compute the stage's outputs besides the project's code (registry.py: ``Stage.packages``: vLLM for
-the stages that run the verifier on it, torch for those that train). Rules take the fingerprint as
-an input file (rules/common.smk: ``stage_code``), so an edit that changes it (or a new vLLM)
-reruns exactly that stage and what follows; the stages build the keys of the work they resume
-(shards, regenerated batches, the training state) with ``resume_key``, which holds it, so that a
-rerun after such a change computes again instead of reusing what the old code made.
+check, plan, launch and name), each module's syntax tree without comments, formatting, docstrings,
+the ``description=`` texts of settings, the messages of what the code raises and the statements
+that only log, and without the typed settings, file declarations and records of other stages (a new
+``train`` setting, or a new figure in training's metrics, changes no other stage's code); with it,
+the versions of the packages that compute the stage's outputs besides the project's code
+(registry.py: ``Stage.packages``: vLLM for the stages that run the verifier on it, torch for those
+that train). Rules take the fingerprint as an input file (rules/common.smk: ``stage_code``), so an
+edit that changes it (or a new vLLM) reruns exactly that stage and what follows; the stages build
+the keys of the work they resume (shards, regenerated batches, the training state) with
+``resume_key``, which holds it, so that a rerun after such a change computes again instead of
+reusing what the old code made.
 
     # prints the files of the train stage's code (plumbing marked), then its fingerprint
     python -m workflow_scripts.lib.workflow.code_inputs train
@@ -182,15 +183,17 @@ def _statements(source: str) -> tuple[tuple[str | None, str], ...]:
 
 
 def other_stages_classes(stage: str) -> frozenset[str]:
-    """The names of the typed settings and file declarations of every stage but ``stage``
-    (registry.py), less the classes ``stage``'s own derive from."""
-    from workflow_scripts.lib.workflow.registry import STAGES
+    """The names of the typed settings, file declarations and records of every stage but
+    ``stage`` (registry.py: STAGES, RECORDS), less the classes ``stage``'s own are or derive
+    from."""
+    from workflow_scripts.lib.workflow.registry import RECORDS, STAGES
 
-    def names(spec) -> set[str]:
-        return {c.__name__ for cls in (spec.params, spec.io) if cls for c in cls.__mro__}
+    def names(name: str) -> set[str]:
+        spec = STAGES[name]
+        typed = {c.__name__ for cls in (spec.params, spec.io) if cls for c in cls.__mro__}
+        return typed | set(RECORDS.get(name, ()))
 
-    own = names(STAGES[stage])
-    return frozenset(set().union(*(names(s) for s in STAGES.values())) - own)
+    return frozenset(set().union(*(names(s) for s in STAGES)) - names(stage))
 
 
 def computing(modules: tuple[str, ...]) -> tuple[str, ...]:

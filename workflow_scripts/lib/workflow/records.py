@@ -117,6 +117,7 @@ class MetricsRow(Record):
     acceptance_per_position: list[float]
     simulated_acceptance_length: float
     positions_per_step: list[int]
+    walked_acceptance_by_k: list[float] | None = None  # validations: k = 1.. as vLLM counts
     lr: float | None = None
     grad_norm: float | None = None
     tokens: int | None = None

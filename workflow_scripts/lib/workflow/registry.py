@@ -223,3 +223,7 @@ STAGES: dict[str, Stage] = {
         ("export", None, ExportIO, TORCH),
     )
 }
+# The records (lib/workflow/records.py) that only some stages write or read: another stage's code
+# fingerprint leaves their classes out (code_inputs.other_stages_classes), so that a figure added
+# to training's metrics reruns no extraction.
+RECORDS = {"train": ("MetricsRow",), "evaluate": ("MetricsRow",)}
