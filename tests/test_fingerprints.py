@@ -136,6 +136,11 @@ def edited_tree(tmp_path: Path, module: str, old: str, new: str) -> Path:
     return tmp_path
 
 
+def changed_stages(tree: Path, before: dict[str, str]) -> set[str]:
+    """The stages whose fingerprint the package under ``tree`` computes otherwise than ``before``."""
+    return {s for s, f in fingerprints(tree).items() if f != before[s]}
+
+
 def test_plumbing_modules_exist_and_are_part_of_stages():
     in_closures = {m for spec in STAGES.values() for m in code_inputs.closure(spec.module)}
     assert code_inputs.PLUMBING <= in_closures
@@ -165,7 +170,7 @@ def test_a_changed_computation_changes_the_fingerprints_of_the_stages_that_run_i
         "enforce_eager=settings.enforce_eager,",
         "enforce_eager=True,",
     )
-    changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
+    changed = changed_stages(tree, as_checked_in)
     assert {"regenerate", "extract", "extract_stream", "evaluate", "train"} <= changed
     assert not changed & {"data", "prepare", "vocab", "demo"}
 
@@ -182,10 +187,10 @@ def test_a_figure_added_to_trainings_metrics_changes_only_the_stages_that_write_
         "    positions_per_step: list[int]\n",
         "    positions_per_step: list[int]\n    new_figure: float | None = None\n",
     )
-    changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
+    changed = changed_stages(tree, as_checked_in)
     assert changed == {"train", "evaluate"}
     tree = edited_tree(  # a record every stage shares (the base of them all) is every stage's
         tmp_path / "shared", "lib/workflow/records.py", 'extra="forbid"', 'extra="ignore"'
     )
-    changed = {s for s, f in fingerprints(tree).items() if f != as_checked_in[s]}
+    changed = changed_stages(tree, as_checked_in)
     assert {"prepare", "extract", "train", "evaluate"} <= changed
