@@ -611,16 +611,20 @@ def pooled_length(hists: list[np.ndarray], pick: np.ndarray | slice = slice(None
     return 1 + accepted / steps
 
 
+def outputs(eagle3: np.ndarray) -> np.ndarray:
+    """[prompts] each prompt's output tokens, counted from EAGLE-3's histograms (as
+    ``histograms``; records from before evaluate wrote the figure keep no output counts): the
+    same for every run under greedy decoding, and EAGLE-3 drafts at every step. Its steps, the
+    drafts they accepted and the prompt's first token, from the prefill (a few tokens over vLLM's
+    count where a request ends within a step's accepted drafts: 0.3% on the real model)."""
+    return eagle3 @ np.arange(1, eagle3.shape[1] + 1) + 1
+
+
 def per_pass(eagle3: np.ndarray, run: np.ndarray) -> float:
     """``run``'s output tokens a verifier pass (lib/evaluation/acceptance.py tokens_per_pass)
-    on the prompts of ``eagle3``'s histograms (as ``histograms``; records from before evaluate
-    wrote the figure keep no output counts). The output, the same for every run under greedy
-    decoding, is counted from EAGLE-3's histograms (it drafts at every step): its steps, the
-    drafts they accepted and each prompt's first token, from the prefill (a few tokens over
-    vLLM's count where a request ends within a step's accepted drafts: 0.3% on the real model)."""
-    weights = np.arange(eagle3.shape[1])
-    output = (eagle3 @ (weights + 1)).sum() + len(eagle3)
-    return tokens_per_pass(float(output), float((run @ weights).sum()))
+    on the prompts of ``eagle3``'s histograms, their output as ``outputs`` counts it."""
+    accepted = run @ np.arange(run.shape[1])
+    return tokens_per_pass(float(outputs(eagle3).sum()), float(accepted.sum()))
 
 
 def paired_difference(a: list[np.ndarray], b: list[np.ndarray], seed: int = 0):
@@ -780,11 +784,9 @@ def set_table(done: dict[str, dict[int, dict]]) -> list[str]:
 def repeats(results: dict) -> np.ndarray:
     """Per prompt, whether the verifier's text repeats itself or its prompt: n-gram (prompt
     lookup, the same greedy text) found a match to draft from at REPEATS or more of the
-    verifier's passes. Its passes: the output (counted from EAGLE-3's histograms as in
-    ``per_pass``) less the drafts n-gram had accepted."""
-    eagle3, ngram = histograms(results), histograms(results, "ngram")
-    weights = np.arange(eagle3.shape[1])
-    passes = eagle3 @ (weights + 1) + 1 - ngram @ weights
+    verifier's passes. Its passes: the output (``outputs``) less the drafts n-gram accepted."""
+    ngram = histograms(results, "ngram")
+    passes = outputs(histograms(results)) - ngram @ np.arange(ngram.shape[1])
     return ngram.sum(1) >= REPEATS * passes
 
 
