@@ -19,13 +19,9 @@ regenerated data, the tokenized data, the vocab map) are built first and not tim
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -35,6 +31,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.workflow_run import snakemake, stage_seconds  # noqa: E402
+from workflow_scripts.lib.common import sha256_file  # noqa: E402
 from workflow_scripts.lib.hidden_states.stream_producer import used_bytes  # noqa: E402
 from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
@@ -58,35 +56,6 @@ class Sampler(threading.Thread):
             time.sleep(0.1)
 
 
-def snakemake(workdir: Path, configfiles: list[Path], cores: str, *args: str) -> float:
-    cmd = [
-        str(Path(sys.executable).parent / "snakemake"),
-        *args,
-        "--snakefile", str(ROOT / "Snakefile"),
-        "--directory", str(workdir),
-        "--cores", cores,
-        "--rerun-incomplete",
-        "--configfile", str(ROOT / "config.yaml"), *map(str, configfiles),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
-    print("$ " + " ".join(cmd), flush=True)
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"snakemake failed in {workdir}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return time.monotonic() - start
-
-
-def stage_seconds(results: Path, name: str) -> float:
-    with (results / "benchmarks" / name).open() as f:
-        return float(next(csv.DictReader(f, delimiter="\t"))["s"])
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def run(args, label: str, fraction: float | None, whole: int) -> dict:
     workdir, results = args.workdir, args.workdir / args.results_dir
     extract = {"shard_size_samples": args.shard_size}
@@ -106,11 +75,11 @@ def run(args, label: str, fraction: float | None, whole: int) -> dict:
     sampler.start()
     force = ["extract", "train"] if fraction is None else ["extract_plan", "train"]
     wall = snakemake(
-        workdir, [args.configfile, override], args.cores, "evaluate", "--forcerun", *force
+        workdir, [args.configfile, override], "evaluate", "--forcerun", *force, cores=args.cores
     )
     sampler.done.set()
     sampler.join()
-    wall -= stage_seconds(results, "evaluate.tsv")
+    wall -= stage_seconds(results, "evaluate")
     if fraction is None:
         tokens = json.loads((Layout(results).extract.manifest).read_text())["num_tokens"]
     else:
@@ -125,7 +94,7 @@ def run(args, label: str, fraction: float | None, whole: int) -> dict:
         "verifier_tokens": tokens,
         "acceptance_length": summary["eagle3_mean_acceptance_length"],
         "acceptance_ci95": summary["eagle3_mean_acceptance_length_ci95"],
-        "draft_sha256": sha256(results / "train" / "draft" / "model.safetensors"),
+        "draft_sha256": sha256_file(results / "train" / "draft" / "model.safetensors"),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -172,9 +141,9 @@ def main() -> None:
     snakemake(
         args.workdir,
         [args.configfile, shared],
-        args.cores,
         "vocab_map",
         str(stream_plan.relative_to(args.workdir)),
+        cores=args.cores,
     )
     whole = json.loads(stream_plan.read_text())["bytes"]
     print(f"the set's hidden states: {whole / 2**20:.1f} MiB", flush=True)

@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -55,6 +53,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.workflow_run import snakemake, stage_seconds  # noqa: E402
 from workflow_scripts.lib.evaluation.acceptance import tokens_per_pass  # noqa: E402
 from workflow_scripts.lib.workflow.layout import METRICS, RESULTS, Layout  # noqa: E402
 
@@ -397,24 +396,10 @@ def snakemake_run(
     workdir: Path, configfile: Path, override: Path, target: str, cores: str, lanes: int, name: str
 ) -> None:
     """``snakemake target`` in ``workdir`` over config.yaml, ``configfile`` and ``override``."""
-    cmd = [
-        str(Path(sys.executable).parent / "snakemake"),
-        target,
-        "--snakefile", str(ROOT / "Snakefile"),
-        "--directory", str(workdir),
-        "--cores", cores,
-        "--rerun-incomplete",  # a run stopped mid-stage is redone, not refused
-        # config.yaml first: the Snakefile's own configfile is looked up in the working directory
-        "--configfile", str(ROOT / "config.yaml"), str(configfile.resolve()), str(override),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    env = {}
     if lanes > 1:  # runs share the cores: OpenMP's threads sleep at barriers instead of spinning
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (timing only: the same arithmetic)
-    print(f"[{name}] $ {' '.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"[{name}] snakemake failed in {workdir}:\n{proc.stderr[-6000:]}")
+        env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # (timing only)
+    snakemake(workdir, [configfile, override], target, cores=cores, name=name, env=env)
 
 
 SOURCE_LOCK = threading.Lock()
@@ -581,12 +566,6 @@ def time_share(run: dict) -> float:
     """The part of the machine a kept run had: its ``share``, or for records that predate it
     1 / its lanes (a run given fewer cores than the machine's without lanes counted whole)."""
     return run.get("share", 1 / run["lanes"])
-
-
-def stage_seconds(results_dir: Path, rule: str) -> float:
-    """The wall time of the rule's last job, from its Snakemake benchmark file."""
-    with (results_dir / "benchmarks" / f"{rule}.tsv").open() as f:
-        return float(next(csv.DictReader(f, delimiter="\t"))["s"])
 
 
 def histograms(results: dict, run: str = "eagle3") -> np.ndarray:

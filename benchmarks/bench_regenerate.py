@@ -19,36 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.workflow_run import snakemake  # noqa: E402
 from workflow_scripts.lib.workflow.layout import STATS, Layout  # noqa: E402
-
-
-def snakemake(workdir: Path, configs: list[Path], cores: int) -> float:
-    workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        str(Path(sys.executable).parent / "snakemake"),
-        "evaluate",
-        "--snakefile", str(ROOT / "Snakefile"),
-        "--directory", str(workdir),
-        "--cores", str(cores),
-        "--configfile", *[str(c) for c in configs],
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
-    print(f"$ {' '.join(cmd)}", flush=True)
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"snakemake failed in {workdir}:\n{proc.stderr[-6000:]}")
-    return time.monotonic() - start
 
 
 def assistant_turns(path: Path) -> list[list[str]]:
@@ -83,7 +62,7 @@ def main() -> None:
     base = work / "original"
     overlay = work / "original.yaml"
     overlay.write_text(yaml.safe_dump({**common, "regenerate": {"enabled": False}}))
-    seconds["original"] = snakemake(base, [args.configfile.resolve(), overlay], args.cores)
+    seconds["original"] = snakemake(base, [args.configfile, overlay], "evaluate", cores=args.cores)
     variants["original"] = base
     demo = base / "results" / "demo"
     for t in args.temperatures:
@@ -100,7 +79,9 @@ def main() -> None:
                 }
             )
         )
-        seconds[name] = snakemake(work / name, [args.configfile.resolve(), overlay], args.cores)
+        seconds[name] = snakemake(
+            work / name, [args.configfile, overlay], "evaluate", cores=args.cores
+        )
         variants[name] = work / name
 
     original = assistant_turns(demo / "chat_data.jsonl")
