@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.workflow_run import config_data, with_settings  # noqa: E402
 from workflow_scripts.lib.hidden_states import extract_engines as backends  # noqa: E402
 from workflow_scripts.lib.hidden_states.manifest import shard_name  # noqa: E402
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, storage_dtype_name  # noqa: E402
@@ -139,12 +139,8 @@ def timed_passes(runs: dict, passes: int, reset=None) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
-    raw = yaml.safe_load(args.config.read_text()) or {}
-    extract_cfg = dict(raw.get("extract") or {})
-    for item in args.set:
-        key, _, value = item.partition("=")
-        extract_cfg[key] = yaml.safe_load(value)
-    p: ExtractParams = load_config({**raw, "extract": extract_cfg}).extract
+    raw = with_settings(config_data([args.config]), "extract", args.set)
+    p: ExtractParams = load_config(raw).extract
     cfg = verifier_config(args.verifier)
     aux = aux_layer_ids(cfg, p.aux_layer_ids)
     n_layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])

@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,12 +32,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_quality import VARIANTS  # noqa: E402
 from bench_train import scratch_io, timed  # noqa: E402
+from benchmarks.workflow_run import config_data  # noqa: E402
 
 from workflow_scripts.lib.training.loader import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
 from workflow_scripts.lib.training.processes import setup_processes  # noqa: E402
 from workflow_scripts.lib.training.trainer import Trainer  # noqa: E402
-from workflow_scripts.lib.workflow.config import layered  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import TrainParams  # noqa: E402
 from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
@@ -50,10 +49,7 @@ def train_only(name: str) -> bool:
 
 def quality_train_settings(configfile: Path) -> dict:
     """The train settings of config.yaml with ``configfile`` over it, as Snakemake layers them."""
-    raw = layered(
-        yaml.safe_load((ROOT / "config.yaml").read_text()), yaml.safe_load(configfile.read_text())
-    )
-    return raw.get("train") or {}
+    return config_data([ROOT / "config.yaml", configfile]).get("train") or {}
 
 
 def main(argv=None) -> int:
@@ -69,8 +65,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    config = yaml.safe_load(args.configfile.read_text())
-    results = args.workdir / config.get("results_dir", "results")
+    results = args.workdir / config_data([ROOT / "config.yaml", args.configfile])["results_dir"]
     if not (Layout(results).extract.manifest).is_file():
         raise SystemExit(f"no quality build in {args.workdir}: run benchmarks/bench_quality.py")
     base = quality_train_settings(args.configfile)

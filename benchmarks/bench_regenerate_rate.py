@@ -51,12 +51,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_extract import timed_passes  # noqa: E402
+from benchmarks.workflow_run import config_data, with_settings  # noqa: E402
 from workflow_scripts.lib.chat.template import ChatTemplate, load_template  # noqa: E402
 from workflow_scripts.lib.regeneration.answers import (  # noqa: E402
     Conversation,
@@ -69,7 +68,7 @@ from workflow_scripts.lib.regeneration.answers import (  # noqa: E402
 )
 from workflow_scripts.lib.verifier import engine, preflight  # noqa: E402
 from workflow_scripts.lib.verifier.files import verifier_config, weight_files  # noqa: E402
-from workflow_scripts.lib.workflow.config import layered, load_config  # noqa: E402
+from workflow_scripts.lib.workflow.config import load_config  # noqa: E402
 from workflow_scripts.lib.workflow.definitions import RegenerateParams  # noqa: E402
 from workflow_scripts.lib.workflow.registry import RegenerateIO  # noqa: E402
 
@@ -113,15 +112,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_params(args: argparse.Namespace) -> RegenerateParams:
-    raw = yaml.safe_load(args.config.read_text()) or {}
-    if args.configfile is not None:
-        raw = layered(raw, yaml.safe_load(args.configfile.read_text()) or {})
-    section = dict(raw.get("regenerate") or {})
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section[key] = yaml.safe_load(value)
-    section["enabled"] = True
-    return load_config({**raw, "regenerate": section}).regenerate
+    raw = config_data([args.config, *([args.configfile] if args.configfile else [])])
+    return load_config(with_settings(raw, "regenerate", [*args.set, "enabled=true"])).regenerate
 
 
 def copy_head(src: Path, dst: Path, rows: int) -> None:

@@ -28,11 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.workflow_run import config_data, settings  # noqa: E402
 from workflow_scripts.lib.training.processes import THREAD_VARIABLES  # noqa: E402
 from workflow_scripts.lib.workflow import cli  # noqa: E402
 from workflow_scripts.lib.workflow.config import layered, load_config  # noqa: E402
@@ -107,10 +106,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    config: dict = yaml.safe_load((a.workdir / "config.yaml").read_text())
-    for path in a.configfile:
-        config = layered(config, yaml.safe_load((a.workdir / path).read_text()) or {})
-    train = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
+    config = config_data([a.workdir / "config.yaml", *(a.workdir / path for path in a.configfile)])
+    train = settings(a.set)
     layouts = ("1 node x 2", "2 nodes x 1")
     results: dict[str, list[dict]] = {layout: [] for layout in layouts}
     with tempfile.TemporaryDirectory(prefix="bench_nodes_") as tmp:

@@ -1,6 +1,7 @@
 """The workflow as the benchmarks run it: Snakemake in a working directory of the benchmark's, over
 config.yaml and the benchmark's own config files, with `python` this interpreter (the project's
-.venv); and the wall time of a stage, from the benchmark file its rule writes."""
+.venv); the wall time of a stage, from the benchmark file its rule writes; and the config a run
+gets from its files, with settings given on a benchmark's command line (``--set KEY=VALUE``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workflow_scripts.lib.workflow.config import layered
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +59,22 @@ def stage_seconds(results_dir: Path, rule: str) -> float:
     """The wall time of the rule's last job, from its Snakemake benchmark file."""
     with (results_dir / "benchmarks" / f"{rule}.tsv").open() as f:
         return float(next(csv.DictReader(f, delimiter="\t"))["s"])
+
+
+def config_data(paths: list[Path]) -> dict[str, Any]:
+    """The config files layered as Snakemake layers them (each over the ones before it), as plain
+    data: lib/workflow/config.py's ``load_config`` types it."""
+    raw: dict[str, Any] = {}
+    for path in paths:
+        raw = layered(raw, yaml.safe_load(Path(path).read_text()) or {})
+    return raw
+
+
+def settings(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` settings as a mapping, each value read as YAML (``4096``, ``true``, ``[1, 2]``)."""
+    return {key: yaml.safe_load(value) for key, _, value in (i.partition("=") for i in items)}
+
+
+def with_settings(raw: dict[str, Any], section: str, items: list[str]) -> dict[str, Any]:
+    """``raw`` with the ``KEY=VALUE`` settings ``items`` over its ``section``."""
+    return {**raw, section: {**(raw.get(section) or {}), **settings(items)}}
