@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.workflow_run import config_data, snakemake, stage_seconds  # noqa: E402
 from workflow_scripts.lib.common import sha256_file  # noqa: E402
+from workflow_scripts.lib.evaluation.records import EvalResults  # noqa: E402
+from workflow_scripts.lib.hidden_states.records import Manifest, StreamPlan  # noqa: E402
 from workflow_scripts.lib.hidden_states.stream_producer import used_bytes  # noqa: E402
 from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
@@ -81,19 +83,19 @@ def run(args, label: str, fraction: float | None, whole: int) -> dict:
     sampler.join()
     wall -= stage_seconds(results, "evaluate")
     if fraction is None:
-        tokens = json.loads((Layout(results).extract.manifest).read_text())["num_tokens"]
+        tokens = Manifest.read(Layout(results).extract.manifest).num_tokens
     else:
         text = (results / "train" / "state" / "engine.log").read_text()
         tokens = sum(int(n) for n in ENGINE_SHARD.findall(text))
-    summary = json.loads((Layout(results).evaluate.results).read_text())["summary"]
+    summary = EvalResults.read(Layout(results).evaluate.results).summary
     row = {
         "label": label,
         "budget_bytes": None if fraction is None else int(fraction * whole),
         "peak_bytes": sampler.peak,
         "wall_s": round(wall, 1),
         "verifier_tokens": tokens,
-        "acceptance_length": summary["eagle3_mean_acceptance_length"],
-        "acceptance_ci95": summary["eagle3_mean_acceptance_length_ci95"],
+        "acceptance_length": summary.eagle3_mean_acceptance_length,
+        "acceptance_ci95": summary.eagle3_mean_acceptance_length_ci95,
         "draft_sha256": sha256_file(results / "train" / "draft" / "model.safetensors"),
     }
     print(json.dumps(row), flush=True)
@@ -145,7 +147,7 @@ def main() -> None:
         str(stream_plan.relative_to(args.workdir)),
         cores=args.cores,
     )
-    whole = json.loads(stream_plan.read_text())["bytes"]
+    whole = StreamPlan.read(stream_plan).bytes
     print(f"the set's hidden states: {whole / 2**20:.1f} MiB", flush=True)
     rows = [run(args, "all on disk (no budget)", None, whole)]
     for fraction in args.budgets:
