@@ -36,14 +36,14 @@ from workflow_scripts.lib.workflow.layout import Layout  # noqa: E402
 
 
 def build_config(directory: Path, configfiles: list[Path]):
-    """The config the build in ``directory`` was made with, from ``directory``/config.yaml and
-    ``configfiles`` (as given, from the current directory) over it, and the build's Layout. Like
-    Snakemake's --directory it changes the working directory to ``directory``, so that the
-    build's relative paths (results_dir, verifier, prompt files) resolve from there; the chat
-    data's and the evaluation's sources as the jobs read them (the demo's files, sets known by
-    name at their place: lib/data/resolve.py). SystemExit where there is no build or the files'
-    evaluate settings are not the ones the build recorded (lib/dryrun.py: recorded_settings,
-    dtype resolved as the rules resolve it)."""
+    """The config the build in ``directory`` was made with, from ``directory``/config.yaml (the
+    project's where it has none) and ``configfiles`` (as given, from the current directory) over
+    it, and the build's Layout. Like Snakemake's --directory it changes the working directory to
+    ``directory``, so that the build's relative paths (results_dir, verifier, prompt files)
+    resolve from there; the chat data's and the evaluation's sources as the jobs read them (the
+    demo's files, sets known by name at their place: lib/data/resolve.py). SystemExit where there
+    is no build or the files' evaluate settings are not the ones the build recorded
+    (lib/dryrun.py: recorded_settings, dtype resolved as the rules resolve it)."""
     from workflow_scripts.lib.common import UserError
     from workflow_scripts.lib.data.resolve import resolve_sources
     from workflow_scripts.lib.dryrun import recorded_settings
@@ -52,8 +52,10 @@ def build_config(directory: Path, configfiles: list[Path]):
 
     configfiles = [Path(f).resolve() for f in configfiles]
     os.chdir(directory)
+    # a directory without one was built over the project's (bench_quality.py's runs)
+    base = Path("config.yaml") if Path("config.yaml").is_file() else ROOT / "config.yaml"
     try:
-        cfg = load_config_files([Path("config.yaml"), *configfiles])
+        cfg = load_config_files([base, *configfiles])
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
     layout = Layout(Path(cfg.results_dir))

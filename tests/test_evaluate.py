@@ -223,7 +223,8 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     from the build's working directory (relative paths resolve there, as with Snakemake's
     --directory); files whose evaluate settings are not the recorded ones (the dtype an auto
     dtype resolves to included), or no build, are refused. Sets known by name (the demo's
-    held-out prompts here) are at their place, as the rules record and read them."""
+    held-out prompts here) are at their place, as the rules record and read them. A working
+    directory without a config.yaml was built over the project's."""
     import json
     import shutil
 
@@ -274,6 +275,9 @@ def test_bench_serving_takes_the_builds_config_files_and_refuses_others(tmp_path
     monkeypatch.chdir(elsewhere)
     with pytest.raises(SystemExit, match=r"\(evaluate\.dtype, evaluate\.max_new_tokens\)"):
         build_config(work, [])  # config.yaml alone: the CPU's dtype, another max_new_tokens
+    (work / "config.yaml").unlink()  # built over the project's (bench_quality.py's runs)
+    monkeypatch.chdir(elsewhere)
+    assert build_config(work, [mine])[0].evaluate.max_new_tokens == 9
 
 
 def reference_run(outputs: list[list[int]]) -> dict:
