@@ -296,7 +296,7 @@ DEFAULT = (
 # the real-model benchmark's plain run: the levers the field measured on real models; the
 # variants that change prepare's or extract's output (samples cut short, auxiliary layers) last,
 # as each redoes extraction, and after them the corpus four times as large (its own build: about
-# 5 hours on 2 cores, regeneration half of it)
+# 4 hours on 2 cores beside another run, regeneration 40% of it; its seeds share it)
 REAL = (
     "baseline",
     "real_speculators_equal_steps",
