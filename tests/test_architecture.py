@@ -322,7 +322,8 @@ def light_job_inputs(stage: str, tmp: Path) -> dict:
         tmp / "batches" / "batch-000000.json"
     )
     RegeneratePart(
-        fingerprint="f", chat_data="c", verifier="v", num_jobs=1, job_index=0, num_batches=1,
+        input_sha256="i", batch_keys=["f"], chat_data="c", verifier="v", num_jobs=1, job_index=0,
+        num_batches=1,
         batches=[0], batches_reused=0, rows_in=1, bad_rows={}, seconds=0.0, params={},
         made_by=factories.HEADER["made_by"],
     ).write(tmp / "part_0.json")  # fmt: skip

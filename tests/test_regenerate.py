@@ -276,7 +276,7 @@ def test_restart_keeps_finished_batches_of_the_same_run_only(tmp_path):
     empty_batch("same").write(work / "batch-000003.json")
     (work / ".batch-000004.json.tmp-123").write_text("partial")
     empty_batch("same").write(work / "batch-000009.json")
-    done = regeneration.clean_work_dir(work, "same", num_batches=5)
+    done = regeneration.clean_work_dir(work, ["same"] * 5)
     assert done == [0, 3]
     assert sorted(p.name for p in work.iterdir()) == ["batch-000000.json", "batch-000003.json"]
 
@@ -291,16 +291,48 @@ def test_a_job_judges_only_its_own_batch_files(tmp_path):
     (work / ".batch-000004.json.tmp-11").write_text("job 0 writing")
     (work / ".batch-000005.json.tmp-12").write_text("job 1, killed")
     empty_batch("old").write(work / "batch-000003.json")
-    done = regeneration.clean_work_dir(work, "same", num_batches=6, job_index=1, num_jobs=2)
+    done = regeneration.clean_work_dir(work, ["same"] * 6, job_index=1, num_jobs=2)
     assert done == [1]
     assert sorted(p.name for p in work.iterdir()) == [
         ".batch-000004.json.tmp-11", "batch-000000.json", "batch-000001.json", "batch-000002.json",
     ]  # fmt: skip
 
 
+def test_chat_data_grown_at_its_end_reuses_every_full_batch(chatml_verifier, tmp_path):
+    """A batch's key is its own rows' (and their lines'): rows added at the end leave the full
+    batches before them reusable, only the last partial one is redone; a row edited in the
+    middle redoes its batch alone."""
+    from types import SimpleNamespace
+
+    p = RegenerateParams(batch_size_samples=2, on_bad_row="skip")
+    io = SimpleNamespace(verifier=chatml_verifier)
+    rows = [{"messages": [U(f"Count from 1 to {n}."), A("...")]} for n in range(5)]
+    keys = {}
+    for name, lines in {
+        "first": rows,
+        "grown": rows + ["{not json", {"messages": [U("And to 9?"), A("...")]}],
+        "edited": rows[:2] + [{"messages": [U("Count to 7."), A("...")]}] + rows[3:],
+    }.items():
+        index = regeneration.index_input(write_chat(tmp_path / f"{name}.jsonl", lines), p)
+        keys[name] = regeneration.batch_keys(io, p, index, "float32")
+    first, grown, edited = keys["first"], keys["grown"], keys["edited"]
+    assert len(first) == 3 and len(grown) == 3 and len(set(first)) == 3
+    assert grown[:2] == first[:2] and grown[2] != first[2]  # row 4 has a companion now
+    assert edited[0] == first[0] and edited[1] != first[1] and edited[2] == first[2]
+    assert (
+        regeneration.batch_keys(io, p.model_copy(update={"temperature": 0.5}), index, "float32")[0]
+        != edited[0]
+    )  # a setting that changes answers changes every key
+
+    work = tmp_path / "batches"
+    for b, key in enumerate(first):
+        empty_batch(key).write(regeneration.batch_path(work, b))
+    assert regeneration.clean_work_dir(work, grown) == [0, 1]
+
+
 def write_part(out: Path, job: int, num_jobs: int, batches: list[int], **changes) -> Path:
     part = RegeneratePart(**{
-        "fingerprint": "f", "chat_data": "c.jsonl", "verifier": "v", "num_jobs": num_jobs,
+        "input_sha256": "i", "batch_keys": ["f"] * 3, "chat_data": "c.jsonl", "verifier": "v", "num_jobs": num_jobs,
         "job_index": job, "num_batches": 3, "batches": batches, "batches_reused": 0,
         "rows_in": 3, "bad_rows": {}, "seconds": 1.0, "params": {},
         "made_by": {"code": "c", "versions": {}}, **changes,
@@ -334,8 +366,8 @@ def test_merge_writes_batches_in_order_and_refuses_what_does_not_fit(monkeypatch
     stats = json.loads((tmp_path / STATS).read_text())
     assert stats["rows_out"] == 3 and stats["turns"] == 3 and stats["jobs"] == 2
 
-    write_part(tmp_path, 1, 2, [1], fingerprint="other")
-    assert "disagree on fingerprint" in merge_error(monkeypatch, tmp_path, 2)
+    write_part(tmp_path, 1, 2, [1], batch_keys=["f", "other", "f"])
+    assert "disagree on batch_keys" in merge_error(monkeypatch, tmp_path, 2)
     write_part(tmp_path, 1, 2, [2])
     assert "batches [2] are in two parts" in merge_error(monkeypatch, tmp_path, 2)
     write_part(tmp_path, 1, 2, [])

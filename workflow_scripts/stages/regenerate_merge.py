@@ -1,8 +1,8 @@
 """regenerate_merge: the regenerate jobs' batches -> one chat dataset, in input order, and stats.
 
-``regeneration.merge.merge`` checks that the parts come from one run (same fingerprint, batch
-count and job count), that every batch is some job's exactly once, and that every batch file is
-there with that fingerprint. The batch files stay where they are: they are what this step reads,
+``regeneration.merge.merge`` checks that the parts come from one run (same input, batch keys,
+batch count and job count), that every batch is some job's exactly once, and that every batch
+file is there with its key. The batch files stay where they are: they are what this step reads,
 and a restarted regenerate job reuses them.
 """
 

@@ -18,8 +18,9 @@ answers after them), so that no tool result is ever paired with a call it does n
   no user turn): ``on_bad_row`` fail stops with file:line, skip counts them.
 * Conversations are answered in batches of ``batch_size_samples``: one engine call per turn
   round. Each finished batch is written to ``work_dir`` as one file, atomically, with a
-  fingerprint of what it depends on (input bytes, verifier, generation settings). A restarted job
-  reuses the finished batches with the same fingerprint and removes the others. Sampling is
+  fingerprint of what it depends on (its own rows, verifier, generation settings). A restarted
+  job reuses the finished batches with the same fingerprint and removes the others, and so does
+  a run over chat data that grew at its end (every full batch before the new rows). Sampling is
   seeded per conversation and turn, so the output does not depend on where a run was resumed.
 * A turn that stops at the token limit (``max_new_tokens_per_turn``, or the engine's max length)
   is counted, and its conversation is kept and flagged (``regenerate.length_limited_turns`` in the
@@ -100,13 +101,15 @@ def read_row(line: bytes) -> tuple[Any, Any, list[dict[str, Any] | None]]:
 @dataclass
 class Index:
     """What the pass over the input found: where its usable rows start, their line numbers,
-    the bad rows by reason, and the sha256 of the file's bytes."""
+    the bad rows by reason, the sha256 of the file's bytes and of each batch's rows (their line
+    numbers and bytes: what a batch's answers are computed from)."""
 
     offsets: array = field(default_factory=lambda: array("q"))
     line_nos: array = field(default_factory=lambda: array("q"))
     bad: Counter = field(default_factory=Counter)
     rows_in: int = 0
     sha256: str = ""
+    batch_sha256: list[str] = field(default_factory=list)
 
 
 def index_input(path: Path, p, template: ChatTemplate | None = None) -> Index:
@@ -114,6 +117,7 @@ def index_input(path: Path, p, template: ChatTemplate | None = None) -> Index:
     measured against the engine's max length; only offsets are kept (flat memory)."""
     index = Index()
     digest = hashlib.sha256()
+    batches: list[Any] = []  # each batch's sha256, of p.batch_size_samples usable rows
     pos = 0
     progress = Progress("regenerate: checking rows", total=None, interval_s=p.progress_interval_s)
     with open(path, "rb") as fh:
@@ -134,10 +138,14 @@ def index_input(path: Path, p, template: ChatTemplate | None = None) -> Index:
                 where = origin(row, f"{path}:{line_no}")
                 skip_or_fail(index.bad, bad, where, p.on_bad_row, SETTING)
                 continue
+            if len(index.offsets) % p.batch_size_samples == 0:
+                batches.append(hashlib.sha256())
+            batches[-1].update(f"{line_no}:".encode() + line)
             index.offsets.append(start)
             index.line_nos.append(line_no)
             progress.update(1)
     index.sha256 = digest.hexdigest()
+    index.batch_sha256 = [b.hexdigest() for b in batches]
     return index
 
 
@@ -302,14 +310,14 @@ def batch_result(p, convs: list[Conversation], counts: Counter, key: str) -> Ans
 # --------------------------------------------------------------------------- batches on disk
 
 
-def fingerprint(io, p, index: Index, dtype: str) -> str:
-    """What a batch's content depends on: the input's bytes, the verifier, the code of the
-    regenerate stage, the settings that change answers, batch boundaries or which rows a batch
-    keeps. Not: paths, the number of
-    jobs, the engine's memory and speed settings."""
+def batch_keys(io, p, index: Index, dtype: str) -> list[str]:
+    """Each batch's resume key: what its answers depend on, its own rows (their line numbers and
+    bytes: a row's turn seeds come from its line), the verifier, the code of the regenerate
+    stage, the settings that change answers, batch boundaries or which rows a batch keeps. Not:
+    the rest of the input (chat data grown at its end reuses every full batch before), paths, the
+    number of jobs, the engine's memory and speed settings."""
     key = {
         "format_version": FORMAT_VERSION,
-        "input_sha256": index.sha256,
         "verifier": verifier_files.fingerprint(io.verifier),
         "dtype": dtype,
         "chat_template": p.chat_template.model_dump(mode="json"),
@@ -326,7 +334,8 @@ def fingerprint(io, p, index: Index, dtype: str) -> str:
             }
         ),
     }
-    return resume_key(key, stage_fingerprint("regenerate"))
+    code = stage_fingerprint("regenerate")
+    return [resume_key({**key, "rows_sha256": rows}, code) for rows in index.batch_sha256]
 
 
 def batch_path(work_dir: Path, b: int) -> Path:
@@ -346,12 +355,14 @@ BATCH_FILE = re.compile(r"^\.?batch-(\d{6})\.json(\.tmp-\d+)?$")
 
 
 def clean_work_dir(
-    work_dir: Path, expected: str, num_batches: int, job_index: int = 0, num_jobs: int = 1
+    work_dir: Path, expected: list[str], job_index: int = 0, num_jobs: int = 1
 ) -> list[int]:
-    """This job's batches (b % num_jobs == job_index) finished with this fingerprint; its other
-    batch files (stale, cut short, partial) are removed, and by job 0 also those past the last
-    batch. Other jobs' files are theirs to judge: they may be writing them right now."""
+    """This job's batches (b % num_jobs == job_index) finished under their resume keys
+    (``expected[b]``: ``batch_keys``); its other batch files (stale, cut short, partial) are
+    removed, and by job 0 also those past the last batch. Other jobs' files are theirs to judge:
+    they may be writing them right now."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    num_batches = len(expected)
     done, removed = [], 0
     for path in sorted(work_dir.iterdir()):
         match = BATCH_FILE.match(path.name)
@@ -361,7 +372,7 @@ def clean_work_dir(
         mine = b % num_jobs == job_index if b < num_batches else job_index == 0
         if not mine:
             continue
-        if b < num_batches and not match.group(2) and load_batch(path, expected) is not None:
+        if b < num_batches and not match.group(2) and load_batch(path, expected[b]) is not None:
             done.append(b)
             continue
         path.unlink()

@@ -18,7 +18,10 @@ from workflow_scripts.lib.workflow.registry import RegenerateMergeIO
 
 RERUN_HINT = "rerun the jobs with: snakemake --forcerun regenerate <target>"
 # what every job's part must agree on: they come from one run
-SHARED = ("fingerprint", "chat_data", "verifier", "num_jobs", "num_batches", "rows_in", "bad_rows")
+SHARED = (
+    "input_sha256", "batch_keys", "chat_data", "verifier", "num_jobs", "num_batches", "rows_in",
+    "bad_rows",
+)  # fmt: skip
 
 
 def read_parts(paths: list[Path]) -> list[RegeneratePart]:
@@ -54,7 +57,7 @@ def merge(io: RegenerateMergeIO) -> RegenerateStats:
     with atomic_path(io.regenerated) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for b in range(first.num_batches):
             path = batch_path(io.work_dir, b)
-            batch = load_batch(path, first.fingerprint)
+            batch = load_batch(path, first.batch_keys[b])
             if batch is None:
                 raise UserError(f"{path}: missing, cut short or from another run; {RERUN_HINT}")
             for row in batch.rows:

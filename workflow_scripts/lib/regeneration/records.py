@@ -47,9 +47,11 @@ class AnswerBatch(Record):
 
 class RegeneratePart(Record):
     """What job ``job_index`` of ``num_jobs`` answered: its batches (``b % num_jobs ==
-    job_index``), and what every job's part must agree on."""
+    job_index``), and what every job's part must agree on: among it the input's sha256 and every
+    batch's resume key (answers.py: ``batch_keys``), which the merge holds each batch to."""
 
-    fingerprint: str
+    input_sha256: str
+    batch_keys: list[str]
     chat_data: str
     verifier: str
     num_jobs: int

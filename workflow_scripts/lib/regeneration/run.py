@@ -14,8 +14,8 @@ from workflow_scripts.lib.regeneration.answers import (
     answer_batch,
     batch_path,
     batch_result,
+    batch_keys,
     clean_work_dir,
-    fingerprint,
     index_input,
     make_engine,
     read_conversations,
@@ -51,8 +51,8 @@ def regenerate(io: RegenerateIO, p: RegenerateParams) -> RegeneratePart:
     B = p.batch_size_samples
     num_batches = -(-usable // B)
     mine = list(job_units(io.job_index, p.num_jobs, num_batches, "regenerate"))
-    key = fingerprint(io, p, index, dtype)
-    done = set(clean_work_dir(io.work_dir, key, num_batches, io.job_index, p.num_jobs))
+    keys = batch_keys(io, p, index, dtype)
+    done = set(clean_work_dir(io.work_dir, keys, io.job_index, p.num_jobs))
     todo = [b for b in mine if b not in done]
     log.info(
         "regenerate job %d/%d: %d conversations (%d bad rows %s) in %d batches, %d of them this "
@@ -75,14 +75,15 @@ def regenerate(io: RegenerateIO, p: RegenerateParams) -> RegeneratePart:
             rows = range(b * B, min(usable, (b + 1) * B))
             convs = list(read_conversations(io.chat_data, index, rows))
             counts = answer_batch(llm, template, p, convs, progress)
-            batch_result(p, convs, counts, key).write(batch_path(io.work_dir, b))
+            batch_result(p, convs, counts, keys[b]).write(batch_path(io.work_dir, b))
             progress.update(len(convs))
         progress.log()
         engine.close_llm(llm)
     else:
         log.info("regenerate: nothing to do: the model is not loaded")
     return RegeneratePart(
-        fingerprint=key,
+        input_sha256=index.sha256,
+        batch_keys=keys,
         chat_data=str(io.chat_data),
         verifier=str(io.verifier),
         num_jobs=p.num_jobs,
