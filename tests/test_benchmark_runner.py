@@ -54,6 +54,7 @@ def test_stage_seconds_reads_the_rules_benchmark_file(tmp_path):
     assert stage_seconds(tmp_path, "train") == 928.08
 
 
+@pytest.mark.slow  # a Snakemake process: the workflow parsed, 15 to 60 s here
 def test_a_failed_snakemake_run_ends_the_benchmark_with_its_output(tmp_path):
     """The workflow parsed (the Snakefile and config.yaml found from any working directory) and
     the target refused: its output tail is the benchmark's last word."""
