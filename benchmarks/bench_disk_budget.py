@@ -31,7 +31,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.workflow_run import config_data, snakemake, stage_seconds  # noqa: E402
+from benchmarks.workflow_run import snakemake, stage_seconds  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 from workflow_scripts.lib.common import sha256_file  # noqa: E402
 from workflow_scripts.lib.evaluation.records import EvalResults  # noqa: E402
 from workflow_scripts.lib.hidden_states.records import Manifest, StreamPlan  # noqa: E402
@@ -135,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.configfile = args.configfile.resolve()
-    args.results_dir = config_data([ROOT / "config.yaml", args.configfile])["results_dir"]
+    args.results_dir = layered_files([ROOT / "config.yaml", args.configfile])["results_dir"]
 
     shared = args.workdir / "bench-shared.yaml"
     shared.write_text(yaml.safe_dump({"extract": {"shard_size_samples": args.shard_size}}))

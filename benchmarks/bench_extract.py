@@ -37,7 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workflow_run import config_data, with_settings  # noqa: E402
+from benchmarks.workflow_run import with_settings  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 from workflow_scripts.lib.hidden_states import extract_engines as backends  # noqa: E402
 from workflow_scripts.lib.hidden_states.manifest import shard_name  # noqa: E402
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, storage_dtype_name  # noqa: E402
@@ -139,7 +140,7 @@ def timed_passes(runs: dict, passes: int, reset=None) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
-    raw = with_settings(config_data([args.config]), "extract", args.set)
+    raw = with_settings(layered_files([args.config]), "extract", args.set)
     p: ExtractParams = load_config(raw).extract
     cfg = verifier_config(args.verifier)
     aux = aux_layer_ids(cfg, p.aux_layer_ids)

@@ -53,7 +53,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.workflow_run import config_data, snakemake, stage_seconds  # noqa: E402
+from benchmarks.workflow_run import snakemake, stage_seconds  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 from workflow_scripts.lib.evaluation.acceptance import tokens_per_pass  # noqa: E402
 from workflow_scripts.lib.workflow.layout import METRICS, RESULTS, Layout  # noqa: E402
 
@@ -349,7 +350,7 @@ def build_of(results_dir: Path) -> dict[str, str]:
 
 
 def results_dir_of(workdir: Path, configfile: Path) -> Path:
-    return workdir / config_data([ROOT / "config.yaml", configfile])["results_dir"]
+    return workdir / layered_files([ROOT / "config.yaml", configfile])["results_dir"]
 
 
 def own_corpus(variant: str) -> bool:

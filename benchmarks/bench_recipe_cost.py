@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_quality import VARIANTS  # noqa: E402
 from bench_train import scratch_io, timed  # noqa: E402
-from benchmarks.workflow_run import config_data  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 
 from workflow_scripts.lib.training.loader import Loader  # noqa: E402
 from workflow_scripts.lib.training.inputs import check_inputs  # noqa: E402
@@ -49,7 +49,7 @@ def train_only(name: str) -> bool:
 
 def quality_train_settings(configfile: Path) -> dict:
     """The train settings of config.yaml with ``configfile`` over it, as Snakemake layers them."""
-    return config_data([ROOT / "config.yaml", configfile]).get("train") or {}
+    return layered_files([ROOT / "config.yaml", configfile]).get("train") or {}
 
 
 def main(argv=None) -> int:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    results = args.workdir / config_data([ROOT / "config.yaml", args.configfile])["results_dir"]
+    results = args.workdir / layered_files([ROOT / "config.yaml", args.configfile])["results_dir"]
     if not (Layout(results).extract.manifest).is_file():
         raise SystemExit(f"no quality build in {args.workdir}: run benchmarks/bench_quality.py")
     base = quality_train_settings(args.configfile)

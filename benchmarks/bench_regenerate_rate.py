@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_extract import timed_passes  # noqa: E402
-from benchmarks.workflow_run import config_data, with_settings  # noqa: E402
+from benchmarks.workflow_run import with_settings  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 from workflow_scripts.lib.chat.template import ChatTemplate, load_template  # noqa: E402
 from workflow_scripts.lib.regeneration.answers import (  # noqa: E402
     Conversation,
@@ -112,7 +113,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_params(args: argparse.Namespace) -> RegenerateParams:
-    raw = config_data([args.config, *([args.configfile] if args.configfile else [])])
+    raw = layered_files([args.config, *([args.configfile] if args.configfile else [])])
     return load_config(with_settings(raw, "regenerate", [*args.set, "enabled=true"])).regenerate
 
 

@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workflow_run import config_data, settings  # noqa: E402
+from benchmarks.workflow_run import settings  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 from workflow_scripts.lib.training.processes import THREAD_VARIABLES  # noqa: E402
 from workflow_scripts.lib.workflow import cli  # noqa: E402
 from workflow_scripts.lib.workflow.config import layered, load_config  # noqa: E402
@@ -106,7 +107,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    config = config_data([a.workdir / "config.yaml", *(a.workdir / path for path in a.configfile)])
+    config = layered_files(
+        [a.workdir / "config.yaml", *(a.workdir / path for path in a.configfile)]
+    )
     train = settings(a.set)
     layouts = ("1 node x 2", "2 nodes x 1")
     results: dict[str, list[dict]] = {layout: [] for layout in layouts}

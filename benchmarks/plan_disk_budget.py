@@ -21,7 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.workflow_run import config_data  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 from tests import factories  # noqa: E402
 from workflow_scripts.lib.hidden_states.records import StreamPlan  # noqa: E402
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--budget", required=True)
     ap.add_argument("--window", type=int, default=4)
     args = ap.parse_args()
-    raw = config_data([ROOT / "config.yaml", args.configfile])
+    raw = layered_files([ROOT / "config.yaml", args.configfile])
     raw["extract"]["disk_budget"] = args.budget
     raw["train"].setdefault("shuffle_window_shards", args.window)
     raw["verifier"] = None

@@ -1,7 +1,8 @@
 """The workflow as the benchmarks run it: Snakemake in a working directory of the benchmark's, over
 config.yaml and the benchmark's own config files, with `python` this interpreter (the project's
-.venv); the wall time of a stage, from the benchmark file its rule writes; and the config a run
-gets from its files, with settings given on a benchmark's command line (``--set KEY=VALUE``)."""
+.venv); the wall time of a stage, from the benchmark file its rule writes; and settings given on a
+benchmark's command line (``--set KEY=VALUE``) over the config a run gets from its files
+(lib/workflow/config.py: ``layered_files``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from workflow_scripts.lib.workflow.config import layered
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,15 +58,6 @@ def stage_seconds(results_dir: Path, rule: str) -> float:
     """The wall time of the rule's last job, from its Snakemake benchmark file."""
     with (results_dir / "benchmarks" / f"{rule}.tsv").open() as f:
         return float(next(csv.DictReader(f, delimiter="\t"))["s"])
-
-
-def config_data(paths: list[Path]) -> dict[str, Any]:
-    """The config files layered as Snakemake layers them (each over the ones before it), as plain
-    data: lib/workflow/config.py's ``load_config`` types it."""
-    raw: dict[str, Any] = {}
-    for path in paths:
-        raw = layered(raw, yaml.safe_load(Path(path).read_text()) or {})
-    return raw
 
 
 def settings(items: list[str]) -> dict[str, Any]:

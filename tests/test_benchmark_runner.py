@@ -10,13 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workflow_run import (  # noqa: E402
-    config_data,
-    settings,
-    snakemake,
-    stage_seconds,
-    with_settings,
-)
+from benchmarks.workflow_run import settings, snakemake, stage_seconds, with_settings  # noqa: E402
+from workflow_scripts.lib.workflow.config import layered_files  # noqa: E402
 
 
 def test_config_files_layer_as_snakemake_layers_them_and_settings_go_over_a_section(tmp_path):
@@ -24,7 +19,7 @@ def test_config_files_layer_as_snakemake_layers_them_and_settings_go_over_a_sect
     base.write_text("results_dir: r\ntrain: {epochs: 2, learning_rate: 0.001}\nvocab: {a: 1}\n")
     over.write_text("train: {epochs: 3}\nvocab: null\n")
     empty.write_text("")
-    raw = config_data([base, empty, over])
+    raw = layered_files([base, empty, over])
     assert raw == {
         "results_dir": "r",
         "train": {"epochs": 3, "learning_rate": 0.001},
@@ -41,7 +36,7 @@ def test_config_files_layer_as_snakemake_layers_them_and_settings_go_over_a_sect
     assert raw["train"]["epochs"] == 3  # the files' data is left as it was
     assert with_settings(raw, "vocab", ["a=2"])["vocab"] == {"a": 2}  # a section set to null
     # the project's own files: the real-model benchmark's results_dir over config.yaml's
-    assert config_data([ROOT / "config.yaml", ROOT / "config.real.yaml"])["results_dir"] == (
+    assert layered_files([ROOT / "config.yaml", ROOT / "config.real.yaml"])["results_dir"] == (
         "results-real"
     )
 

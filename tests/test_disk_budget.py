@@ -59,7 +59,7 @@ def fake_stream_plan(num_shards: int, per_shard: int, seed: int = 0) -> StreamPl
         )
         line += per_shard
     header = {"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 100}
-    key = {"data_sha256": "d", "dtype": "float32", "code": "c"}
+    key = {"verifier": "v", "dtype": "float32", "code": "c"}
     return factories.stream_plan(shards, key, **header, shard_size_samples=per_shard)
 
 

@@ -15,7 +15,9 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,11 +27,18 @@ from tests.processes import kill_when
 from tests.stage_process import run_stage
 from tests.tokenizers_for_tests import build_chatml_tokenizer
 from workflow_scripts.lib.common import UserError, sha256_file
+from workflow_scripts.lib.hidden_states.extraction import make_plan
 from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, load_manifest
 from workflow_scripts.lib.hidden_states.manifest import merge_parts as merge
 from workflow_scripts.lib.hidden_states.records import ExtractPart, Manifest
 from workflow_scripts.lib.hidden_states.shard_writer import ShardWriter
 from workflow_scripts.lib.hidden_states.shards import ShardReader, read_positions, shard_fingerprint
+from workflow_scripts.lib.hidden_states.stream_producer import (
+    all_shards_plan,
+    read_heldout_shard,
+    stream_plan,
+)
+from workflow_scripts.lib.training.disk_budget import SampleTable
 from workflow_scripts.lib.workflow import cli
 from workflow_scripts.lib.workflow.definitions import ExtractParams
 from workflow_scripts.stages import extract
@@ -454,6 +463,52 @@ def test_preflight_error_through_the_entry_point(world, small_verifier, tmp_path
     assert proc.returncode == 2
     assert "extract.aux_layer_ids" in proc.stderr and "Traceback" not in proc.stderr
     assert "Loading weights" not in proc.stderr and "loading took" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- shard keys
+
+
+def shard_fingerprints(world, tokenized: Path, out: Path) -> list[str]:
+    root, verifier, _ = world
+    io = SimpleNamespace(**files(root, verifier, tokenized, out, 0))
+    return [s.fingerprint for s in make_plan(io, ExtractParams(**TEST_PARAMS)).shards]
+
+
+def test_grown_data_keeps_every_full_shard_before_it(world, tmp_path):
+    """A shard is keyed by its own samples: data grown at its end keeps the fingerprint of every
+    full shard before the new samples (their states are reused), an edited sample changes only
+    its shard's."""
+    _, _, tokenized = world
+    lines = tokenized.read_bytes().splitlines(keepends=True)
+    before = shard_fingerprints(world, tokenized, tmp_path / "a")
+    extra = write_rows(tmp_path / "extra.jsonl", [30] * 10, seed=1).read_bytes()
+    grown = tmp_path / "grown.jsonl"
+    grown.write_bytes(b"".join(lines) + extra)
+    after = shard_fingerprints(world, grown, tmp_path / "b")
+    assert len(before) == 8 and len(after) == 9  # 60 samples, then 70, 8 to a shard
+    assert after[:7] == before[:7] and after[7] != before[7]  # the short last shard grew
+    edited = tmp_path / "edited.jsonl"
+    edited.write_bytes(b"".join(lines[:20] + [lines[20].replace(b'"s20"', b'"x20"')] + lines[21:]))
+    edited_fingerprints = shard_fingerprints(world, edited, tmp_path / "c")
+    assert [i for i in range(8) if edited_fingerprints[i] != before[i]] == [2]  # line 21: shard 2
+
+
+def test_heldout_shards_are_keyed_alike_by_training_and_the_engine(world, tmp_path):
+    """With a disk budget, training names each held-out shard's fingerprint from the stream plan
+    (no data) and the engine from the data: the same, and another when a sample's shard changes."""
+    _, _, tokenized = world
+    lines = [3, 17, 40, 41]
+    io = SimpleNamespace(**files(world[0], world[1], tokenized, tmp_path, 0))
+    plan = all_shards_plan(tokenized, world[1], tmp_path / "shards", ExtractParams(**TEST_PARAMS))
+    engine_side = read_heldout_shard(plan, 0, lines, tokenized, tmp_path)
+    table = SampleTable(stream_plan(plan, io.shard_dir))
+    val_ids = np.asarray([int(np.flatnonzero(table.lines == i)[0]) for i in lines])
+    training_side, _ = table.heldout(stream_plan(plan, io.shard_dir), val_ids, tmp_path, 8)
+    assert [s.fingerprint for s in training_side] == [engine_side.fingerprint]
+    plan.shards[5].fingerprint = "other"  # sample 41's shard
+    assert read_heldout_shard(plan, 0, lines, tokenized, tmp_path).fingerprint != (
+        engine_side.fingerprint
+    )
 
 
 # --------------------------------------------------------------------------- format, merge

@@ -194,3 +194,47 @@ def test_a_figure_added_to_trainings_metrics_changes_only_the_stages_that_write_
     )
     changed = changed_stages(tree, as_checked_in)
     assert {"prepare", "extract", "train", "evaluate"} <= changed
+
+
+@pytest.mark.parametrize(
+    "module, old, new",
+    [
+        # the part manifest (what an extraction job records of its shards)
+        (
+            "lib/hidden_states/extraction.py",
+            '"num_skipped": len(s.skipped),',
+            '"skipped": s.skipped,',
+        ),
+        # a field of the manifest training reads
+        (
+            "lib/hidden_states/records.py",
+            "    num_jobs: int\n",
+            "    num_jobs: int\n    new: int = 0\n",
+        ),
+        # the merge of the parts
+        (
+            "lib/hidden_states/manifest.py",
+            "common = first.model_dump(",
+            "common = parts[0][1].model_dump(",
+        ),
+    ],
+)
+def test_an_edit_around_the_shards_keeps_every_shard(tmp_path, module, old, new):
+    """The shards' key holds the code that computes them (extract_engines.py and what it imports),
+    not the code that plans, records or merges them: an edit there reruns the extraction jobs,
+    which reuse every shard (docs/gpu-and-slurm.md: After an upgrade)."""
+    tree = edited_tree(tmp_path, module, old, new)
+    assert code_inputs.stage_fingerprint("extract", tree) != code_inputs.stage_fingerprint(
+        "extract"
+    )
+    assert code_inputs.shard_code_fingerprint(tree) == code_inputs.shard_code_fingerprint()
+
+
+def test_an_edit_to_how_samples_are_read_changes_every_shards_key(tmp_path):
+    tree = edited_tree(
+        tmp_path,
+        "lib/hidden_states/shard_plan.py",
+        'mask = torch.tensor(row["loss_mask"], dtype=torch.uint8)',
+        'mask = torch.tensor(row["loss_mask"], dtype=torch.bool).to(torch.uint8)',
+    )
+    assert code_inputs.shard_code_fingerprint(tree) != code_inputs.shard_code_fingerprint()

@@ -27,7 +27,7 @@ from workflow_scripts.lib.hidden_states.estimate import (
     prepared_counts,
     shard_set_bytes,
 )
-from workflow_scripts.lib.hidden_states.extraction import Plan, ShardPlan, fingerprint, shard_key
+from workflow_scripts.lib.hidden_states.shard_plan import Plan, ShardPlan, fingerprint, shard_key
 from workflow_scripts.lib.hidden_states.manifest import LAYER_CONVENTION, shard_name
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout
 from workflow_scripts.lib.workflow.config import layered, load_config
@@ -41,7 +41,6 @@ def extraction_plan(lengths, final_rows, shard_size, aux_ids, hidden, dtype, sto
     """An extraction plan of these samples as make_plan lays them out (no data on disk)."""
     cfg = {"num_hidden_layers": 40, "hidden_size": hidden, "vocab_size": 1000}
     key = {
-        "data_sha256": "d" * 64,
         "verifier": "v" * 64,
         "aux_layer_ids": aux_ids,
         "dtype": dtype,

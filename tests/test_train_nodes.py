@@ -5,6 +5,7 @@ processes trains. The same over a real two-node SLURM: tests/test_slurm.py."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,17 @@ def test_node_counts_against_the_profile_and_the_cluster():
     # a target that needs no training: a warning
     (warning,) = cluster.check_node_counts(two, train(nodes=1), slurm, ["vocab_map"])
     assert "the profile sets nodes: 1" in warning
+
+
+def test_the_jobs_checked_for_nodes_are_rules_of_the_workflow():
+    """The dry-run checks a multi-node job against the profile's resources for its rule (by the
+    rule's name): a rule renamed in rules/ and not in cluster.py would go unchecked."""
+    files = [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]
+    rules = set(re.findall(r"^rule (\w+):", "\n".join(f.read_text() for f in files), re.M))
+    config = load_config({"regenerate": {"enabled": True}})
+    checked = {job.rule for job in cluster.node_jobs(config)}
+    assert checked == {"regenerate", "extract", "train", "evaluate_reference", "evaluate_draft"}
+    assert checked <= rules, checked - rules
 
 
 def test_gpu_counts_over_nodes_are_totals_for_snakemake_and_per_node_for_a_node():

@@ -14,7 +14,8 @@ import shutil
 from typing import Any
 
 from workflow_scripts.lib.common import UserError
-from workflow_scripts.lib.hidden_states.extraction import MAX_LISTED, Plan
+from workflow_scripts.lib.hidden_states.extraction import MAX_LISTED
+from workflow_scripts.lib.hidden_states.shard_plan import Plan
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES, shard_layout
 
 log = logging.getLogger("eagle3")

@@ -1,6 +1,6 @@
 """The engines that run the verifier for extraction, both writing through
 ``shard_writer.ShardWriter``, and the run of the extraction stage over the shards its plan
-(``extraction.py``) left to compute.
+(``shard_plan.py``, made by ``extraction.py``) left to compute.
 
 * vLLM: the ``extract_hidden_states`` speculative method with ``ShardHiddenStatesConnector``
   (``connector.py``), which writes each finished request's rows straight into its
@@ -27,14 +27,8 @@ import torch
 
 from workflow_scripts.lib.common import Progress
 from workflow_scripts.lib.hidden_states import teacher_record
-from workflow_scripts.lib.hidden_states.extraction import (
-    Plan,
-    ShardPlan,
-    read_rows,
-    remember_entry,
-    sample_tensors,
-)
-from workflow_scripts.lib.hidden_states.shard_writer import ShardJob
+from workflow_scripts.lib.hidden_states.shard_plan import Plan, ShardPlan, read_rows, sample_tensors
+from workflow_scripts.lib.hidden_states.shard_writer import ShardJob, remember_entry
 from workflow_scripts.lib.hidden_states.shards import TORCH_DTYPES
 from workflow_scripts.lib.hidden_states.transformers_backend import TransformersExtractor
 from workflow_scripts.lib.verifier import engine

@@ -3,11 +3,13 @@ an engine over the shards still to compute, and a job's part manifest.
 
 The samples (lines of tokenized_data.jsonl) are cut into shards of ``shard_size_samples``:
 shard i holds samples [i*S, (i+1)*S), and job j of ``num_jobs`` computes the shards with
-i % num_jobs == j. Every shard carries a fingerprint of what it was computed from (the data's
-sha256, the verifier's identity, layer ids, dtypes, backend, the fingerprint of the code that
-computes shards, sample range and the samples skipped in it). A shard whose file exists with the expected fingerprint is reused; every other one is
-computed into a temporary file and renamed when complete, so a killed job redoes only the shards
-it had not finished, and a job with nothing left to do never loads the model.
+i % num_jobs == j. Every shard carries a fingerprint of what it was computed from (its own
+samples: their range, their bytes and the ones skipped as too long; the verifier's identity, layer
+ids, dtypes, backend, the fingerprint of the code that computes shards). Not the rest of the data:
+tokenized data grown at its end keeps every full shard before the new samples. A shard whose file
+exists with the expected fingerprint is reused; every other one is computed into a temporary file
+and renamed when complete, so a killed job redoes only the shards it had not finished, and a job
+with nothing left to do never loads the model.
 """
 
 from __future__ import annotations
@@ -16,36 +18,40 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
-import torch
 
-from workflow_scripts.lib.common import UserError, write_json
+from workflow_scripts.lib.common import UserError
 from workflow_scripts.lib.hidden_states.manifest import FORMAT_VERSION, LAYER_CONVENTION, shard_name
 from workflow_scripts.lib.hidden_states.records import ExtractPart
-from workflow_scripts.lib.hidden_states.shard_writer import remove_stale_tmp, shard_entry
+from workflow_scripts.lib.hidden_states.shard_plan import (
+    Plan,
+    ShardPlan,
+    fingerprint,
+    read_rows,
+    sample_tensors,
+    shard_key,
+)
+from workflow_scripts.lib.hidden_states.shard_writer import (
+    SHA_SIDECAR,
+    remember_entry,
+    remove_stale_tmp,
+    shard_entry,
+)
 from workflow_scripts.lib.hidden_states.shards import (
-    TORCH_DTYPES,
     read_positions,
     shard_fingerprint,
-    shard_layout,
     storage_dtype_name,
 )
 from workflow_scripts.lib.verifier import engine, preflight
 from workflow_scripts.lib.verifier import files as verifier_files
-from workflow_scripts.lib.workflow.code_inputs import (
-    made_by,
-    resume_key,
-    shard_code_fingerprint,
-)
+from workflow_scripts.lib.workflow.code_inputs import made_by, shard_code_fingerprint
 from workflow_scripts.lib.workflow.jobs import job_units
 from workflow_scripts.lib.workflow.layout import STATS
 
 log = logging.getLogger("eagle3")
-SHA_SIDECAR = ".sha256.json"  # beside each shard: its checksum, so a reuse does not re-hash it
 MAX_LISTED = 5
 
 
@@ -69,140 +75,19 @@ def index_lines(path: Path) -> tuple[np.ndarray, str]:
     return offsets, digest.hexdigest()
 
 
-def read_rows(path: Path, offsets: np.ndarray, indices: list[int]) -> Iterator[tuple[int, dict]]:
+def lines_sha256(path: Path, offsets: np.ndarray, start: int, end: int) -> str:
+    """sha256 of the bytes of lines [start, end)."""
+    digest = hashlib.sha256()
+    left = int(offsets[end] - offsets[start])
     with open(path, "rb") as fh:
-        for i in indices:
-            fh.seek(int(offsets[i]))
-            raw = fh.read(int(offsets[i + 1] - offsets[i]))
-            try:
-                row = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise UserError(f"{path}:{i + 1}: not a JSON line ({exc})") from None
-            yield i, row
-
-
-def sample_tensors(
-    path: Path, i: int, row: Any, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    where = f"{path}:{i + 1}"
-    if not isinstance(row, dict) or "input_ids" not in row or "loss_mask" not in row:
-        raise UserError(f"{where}: expected an object with input_ids and loss_mask")
-    try:
-        ids = torch.tensor(row["input_ids"], dtype=torch.int64)
-        mask = torch.tensor(row["loss_mask"], dtype=torch.uint8)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise UserError(
-            f"{where}: input_ids / loss_mask are not lists of integers ({exc})"
-        ) from None
-    if ids.ndim != 1 or ids.numel() == 0:
-        raise UserError(f"{where}: input_ids is empty or not a flat list")
-    if mask.shape != ids.shape:
-        raise UserError(f"{where}: loss_mask has {mask.numel()} entries, input_ids {ids.numel()}")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise UserError(
-            f"{where}: token id {int(ids.max())} is outside the verifier's vocabulary of "
-            f"{vocab_size}; was the data tokenized for another verifier?"
-        )
-    return ids, mask
+        fh.seek(int(offsets[start]))
+        while left > 0 and (chunk := fh.read(min(left, 1 << 24))):
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- plan
-
-
-@dataclass
-class ShardPlan:
-    index: int
-    start: int  # first sample (line) index
-    end: int  # one past the last
-    samples: list[int]  # the sample indices kept (too-long ones skipped)
-    lengths: list[int]
-    skipped: list[int]
-    path: Path
-    fingerprint: str = ""
-    final_rows: int = 0  # final states stored: at the positions the loss reads
-    sample_final_rows: list[int] = field(default_factory=list)  # the same, per sample kept
-    entry: dict[str, Any] | None = None  # the manifest entry when already finished
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-
-@dataclass
-class Plan:
-    verifier: Path
-    cfg: dict[str, Any]
-    aux_ids: list[int]
-    dtype: str  # the compute dtype
-    storage: str  # the dtype the shards store the states in
-    common: dict[str, Any]
-    key: dict[str, Any]  # what every shard's content depends on (its fingerprint, with its range)
-    line_offsets: np.ndarray
-    num_samples: int
-    shards: list[ShardPlan] = field(default_factory=list)
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.cfg["num_hidden_layers"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.cfg["hidden_size"])
-
-    @property
-    def todo(self) -> list[ShardPlan]:
-        return [s for s in self.shards if s.entry is None]
-
-    def shard_metadata(self, shard: ShardPlan, storage: str | None = None) -> dict[str, str]:
-        """The safetensors metadata of a shard (stored as ``storage``, by default the plan's)."""
-        storage = storage or self.storage
-        return {
-            "fingerprint": (
-                shard.fingerprint
-                if storage == self.storage
-                else fingerprint(shard_key(self.key, storage), shard)
-            ),
-            "sample_start": str(shard.start),
-            "sample_end": str(shard.end),
-            "skipped_samples": json.dumps(shard.skipped),
-            "aux_layer_ids": json.dumps(self.aux_ids),
-            "final_layer_id": str(self.num_layers),
-            "layer_convention": LAYER_CONVENTION,
-            "dtype": self.dtype,
-            "storage_dtype": storage,
-            "format_version": str(FORMAT_VERSION),
-        }
-
-    def shard_bytes(self, shard: ShardPlan, storage: str | None = None) -> int:
-        """The exact size of a shard's file (0 when every sample of it is skipped)."""
-        if not shard.samples:
-            return 0
-        layout = shard_layout(
-            len(shard.samples),
-            shard.num_tokens,
-            shard.final_rows,
-            len(self.aux_ids),
-            self.hidden_size,
-            TORCH_DTYPES[storage or self.storage],
-            self.shard_metadata(shard, storage),
-        )
-        return layout.file_bytes
-
-
-def shard_key(key: dict[str, Any], storage: str) -> dict[str, Any]:
-    """The fingerprint key for a storage dtype. Stored as computed, the key is the one shards had
-    before storage dtypes existed, so that those shards stay valid."""
-    return key if storage == key["dtype"] else {**key, "storage_dtype": storage}
-
-
-def fingerprint(common_key: dict[str, Any], shard: ShardPlan) -> str:
-    """A shard's resume key: ``common_key`` (its ``code``, the shards' code fingerprint, apart)
-    and its samples."""
-    what = {k: v for k, v in common_key.items() if k != "code"}
-    return resume_key(
-        {**what, "sample_range": [shard.start, shard.end], "skipped": shard.skipped},
-        common_key["code"],
-    )
 
 
 def existing_entry(shard: ShardPlan) -> dict[str, Any] | None:
@@ -227,15 +112,6 @@ def reuse_finished(plan: Plan) -> None:
         if stale:
             log.info("shard %d: removed %d partial file(s) of a killed run", shard.index, stale)
         shard.entry = existing_entry(shard)
-
-
-def remember_entry(path: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    st = path.stat()
-    write_json(
-        path.with_name(path.name + SHA_SIDECAR),
-        {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "entry": entry},
-    )
-    return entry
 
 
 def make_plan(io, p) -> Plan:
@@ -285,10 +161,10 @@ def make_plan(io, p) -> Plan:
         "max_model_len_tokens": p.max_model_len_tokens,
         "on_too_long": p.on_too_long,
     }
-    # what a shard's content depends on (paths, shard count and policies are not part of it)
+    # what every shard's content depends on besides its own samples (paths, shard count and
+    # policies are not part of it; nor the rest of the data)
     key = {
         "format_version": FORMAT_VERSION,
-        "data_sha256": data_sha,
         "verifier": identity["fingerprint"],
         "aux_layer_ids": aux_ids,
         "final_layer_id": n,
@@ -323,6 +199,7 @@ def make_plan(io, p) -> Plan:
                 shard.lengths.append(length)
                 shard.sample_final_rows.append(len(read_positions(mask)))
                 shard.final_rows += shard.sample_final_rows[-1]
+        shard.rows_sha256 = lines_sha256(io.tokenized, offsets, shard.start, shard.end)
         shard.fingerprint = fingerprint(shard_key(key, storage), shard)
         plan.shards.append(shard)
     if too_long and p.on_too_long == "fail":

@@ -15,14 +15,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from workflow_scripts.lib.common import UserError
+from workflow_scripts.lib.hidden_states.shard_format import FORMAT_VERSION, LAYER_CONVENTION
 from workflow_scripts.lib.verifier import files as verifier_files
 from workflow_scripts.lib.workflow.records import MadeBy, Record
-
-FORMAT_VERSION = 1
-LAYER_CONVENTION = (
-    "vllm: aux id k is the input of decoder layer k (HF hidden_states[k]); "
-    "final_hidden_states is the output of the last layer before the final norm"
-)
 
 DTYPES = ("float32", "bfloat16", "float16")
 # shards.TORCH_DTYPES' names (no torch here: the merge job starts fast)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workflow_scripts.lib.common import sha256_file
+from workflow_scripts.lib.common import sha256_file, write_json
 from workflow_scripts.lib.hidden_states.shards import (
     DTYPE_NAMES,
     SampleStates,
@@ -26,6 +26,8 @@ from workflow_scripts.lib.hidden_states.shards import (
     select_rows,
     shard_layout,
 )
+
+SHA_SIDECAR = ".sha256.json"  # beside each shard: its entry, so a reuse does not re-hash it
 
 
 def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
@@ -214,6 +216,16 @@ def shard_entry(path: Path) -> dict[str, object]:
         "bytes": path.stat().st_size,
         "sha256": sha256_file(path),
     }
+
+
+def remember_entry(path: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` (a finished shard's, ``shard_entry``) kept beside it with its size and mtime."""
+    st = path.stat()
+    write_json(
+        path.with_name(path.name + SHA_SIDECAR),
+        {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "entry": entry},
+    )
+    return entry
 
 
 @dataclass

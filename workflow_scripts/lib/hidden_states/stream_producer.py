@@ -23,11 +23,11 @@ from typing import Any
 
 from workflow_scripts.lib.common import UserError, read_json
 from workflow_scripts.lib.hidden_states.extract_engines import extract
-from workflow_scripts.lib.hidden_states.extraction import (
+from workflow_scripts.lib.hidden_states.extraction import make_plan
+from workflow_scripts.lib.hidden_states.shard_plan import (
     Plan,
     ShardPlan,
     fingerprint,
-    make_plan,
     read_rows,
     sample_tensors,
     shard_key,
@@ -77,10 +77,12 @@ def heldout_shard(
     lines: list[int],
     lengths: list[int],
     final_rows: list[int],
+    sources: list[str],
     directory: Path,
 ) -> ShardPlan:
     """Held-out shard k: the samples on tokenized lines ``lines`` (with their lengths and stored
-    final rows), fingerprinted by them."""
+    final rows), fingerprinted by them and by ``sources``, the fingerprint of the shard each of
+    them comes from (which holds its bytes)."""
     shard = ShardPlan(
         -1 - k,
         min(lines),
@@ -92,6 +94,7 @@ def heldout_shard(
     )
     shard.sample_final_rows = list(final_rows)
     shard.final_rows = sum(final_rows)
+    shard.rows_sha256 = hashlib.sha256("\n".join(dict.fromkeys(sources)).encode()).hexdigest()
     key = {**shard_key(plan.key, plan.storage), "samples": list(lines)}
     shard.fingerprint = fingerprint(key, shard)
     return shard
@@ -100,12 +103,15 @@ def heldout_shard(
 def read_heldout_shard(plan: Plan, k: int, lines: list[int], tokenized: Path, directory: Path):
     """``heldout_shard`` with the lengths and final rows read from the tokenized data."""
     vocab = int(plan.cfg["vocab_size"])
-    lengths, final_rows = [], []
+    size = int(plan.common["shard_size_samples"])
+    by_index = {s.index: s for s in plan.shards}
+    lengths, final_rows, sources = [], [], []
     for i, row in read_rows(tokenized, plan.line_offsets, lines):
         ids, mask = sample_tensors(tokenized, i, row, vocab)
         lengths.append(int(ids.numel()))
         final_rows.append(len(read_positions(mask)))
-    return heldout_shard(plan, k, lines, lengths, final_rows, directory)
+        sources.append(by_index[i // size].fingerprint)
+    return heldout_shard(plan, k, lines, lengths, final_rows, sources, directory)
 
 
 def plan_of(stream_plan_: StreamPlan) -> Plan:
@@ -161,10 +167,6 @@ def stream_plan(plan: Plan, shard_dir: Path) -> StreamPlan:
         bytes=sum(s["bytes"] for s in shards),
         shards=shards,
     )
-
-
-def plan_digest(plan_file: Path) -> str:
-    return hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()
 
 
 def produce(io, p) -> None:

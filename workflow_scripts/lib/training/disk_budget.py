@@ -204,6 +204,7 @@ class SampleTable:
                     self.lines[ids].tolist(),
                     self.full_lengths[ids].tolist(),
                     self.final_rows[ids].tolist(),
+                    [stream_plan.shards[s].fingerprint for s in self.shard_of[ids]],
                     directory,
                 )
             )

@@ -363,15 +363,21 @@ def layered(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config_files(paths: list[Path]) -> WorkflowConfig:
-    """The config a run with these config files gets (each layered over the ones before it),
-    validated; a ConfigError naming the files and every bad key."""
+def layered_files(paths: list[Path]) -> dict[str, Any]:
+    """The config files layered as Snakemake layers them (each over the ones before it), as plain
+    data, not yet validated."""
     import yaml
 
     raw: dict[str, Any] = {}
     for path in paths:
         raw = layered(raw, yaml.safe_load(Path(path).read_text()) or {})
-    return load_config(raw, source=" + ".join(map(str, paths)))
+    return raw
+
+
+def load_config_files(paths: list[Path]) -> WorkflowConfig:
+    """The config a run with these config files gets (each layered over the ones before it),
+    validated; a ConfigError naming the files and every bad key."""
+    return load_config(layered_files(paths), source=" + ".join(map(str, paths)))
 
 
 def _items(schema: dict[str, Any], definition: dict[str, Any]) -> dict[str, Any] | None:
